@@ -1,0 +1,81 @@
+// The statistics engine's backend interface: one per calibration session.
+//
+//   KVCAL_ASSIGN_OR_RETURN(std::unique_ptr<kvcal::StatisticsBackend> backend,
+//                          kvcal::CreateBackend(kvcal::BackendKind::kAuto,
+//                                               geometry));
+//   KVCAL_RETURN_IF_ERROR(backend->Accumulate(chunk));   // many times
+//   KVCAL_ASSIGN_OR_RETURN(kvcal::SessionStatistics stats, backend->Snapshot());
+//   KVCAL_ASSIGN_OR_RETURN(kvcal::ScaleResult scales,
+//                          kvcal::ComputeScales(stats, options));
+//
+// Accumulate validates the chunk first (ValidateChunk); an invalid chunk
+// changes nothing. A valid chunk is applied whole. Backends are thread-safe:
+// several streams may accumulate into one backend concurrently.
+#ifndef KVCAL_KERNELS_BACKEND_H_
+#define KVCAL_KERNELS_BACKEND_H_
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/statistics.h"
+#include "kernels/types.h"
+
+namespace kvcal {
+
+class StatisticsBackend {
+ public:
+  virtual ~StatisticsBackend() = default;
+
+  // "cpu" or "cuda".
+  virtual absl::string_view name() const = 0;
+  virtual const Geometry& geometry() const = 0;
+
+  // Validates and adds one chunk. The CUDA backend may return before the
+  // device finished; a device error then surfaces from a later call.
+  [[nodiscard]] virtual absl::Status Accumulate(const ChunkView& chunk) = 0;
+
+  // A host copy of everything accumulated so far (waits for the device).
+  [[nodiscard]] virtual absl::StatusOr<SessionStatistics> Snapshot() = 0;
+
+  // Adds `other` (same geometry, else InvalidArgument and nothing changes).
+  [[nodiscard]] virtual absl::Status Merge(const SessionStatistics& other) = 0;
+
+  // Forgets everything accumulated.
+  [[nodiscard]] virtual absl::Status Reset() = 0;
+
+  // Bytes of state memory this backend holds (device memory for CUDA).
+  virtual size_t StateBytes() const = 0;
+};
+
+enum class BackendKind { kAuto, kCpu, kCuda };
+
+struct BackendOptions {
+  // CUDA device ordinal.
+  int device = 0;
+  // CPU backend: worker threads for large chunks (0 = hardware concurrency).
+  int cpu_threads = 0;
+};
+
+// Bytes of statistics state a session of `geometry` needs, excluding the
+// per-batch extrema that grow with the number of batches.
+size_t EstimateStateBytes(const Geometry& geometry);
+
+absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateCpuBackend(
+    const Geometry& geometry, const BackendOptions& options = {});
+
+// kAuto picks CUDA when this build has the CUDA backend and a device is
+// present, else CPU.
+absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateBackend(
+    BackendKind kind, const Geometry& geometry,
+    const BackendOptions& options = {});
+
+// Parses "auto", "cpu" or "cuda".
+absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view text);
+
+}  // namespace kvcal
+
+#endif  // KVCAL_KERNELS_BACKEND_H_

@@ -1,0 +1,428 @@
+#include "kernels/scale_math.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/element_math.h"
+#include "kernels/thread_pool.h"
+
+namespace kvcal {
+
+absl::string_view ObserverName(Observer observer) {
+  switch (observer) {
+    case Observer::kStaticMinMax:
+      return "static_minmax";
+    case Observer::kMinMaxEma:
+      return "minmax";
+    case Observer::kMemorylessMinMax:
+      return "memoryless_minmax";
+    case Observer::kMse:
+      return "mse";
+    case Observer::kPercentile:
+      return "percentile";
+  }
+  return "unknown";
+}
+
+absl::string_view FormatName(Format format) {
+  switch (format) {
+    case Format::kFp8E4m3fn:
+      return "float8_e4m3fn";
+    case Format::kFp8E4m3fnuz:
+      return "float8_e4m3fnuz";
+    case Format::kFp8E5m2:
+      return "float8_e5m2";
+    case Format::kInt8:
+      return "int8";
+  }
+  return "unknown";
+}
+
+float FormatMax(Format format) {
+  switch (format) {
+    case Format::kFp8E4m3fn:
+      return 448.0f;
+    case Format::kFp8E4m3fnuz:
+      return 240.0f;
+    case Format::kFp8E5m2:
+      return 57344.0f;
+    case Format::kInt8:
+      return 127.0f;
+  }
+  return 448.0f;
+}
+
+float RoundToFormat(float q, Format format) {
+  if (format == Format::kInt8) return std::nearbyint(q);
+  int mantissa_bits = 3;
+  int min_exponent = -6;  // smallest normal exponent
+  if (format == Format::kFp8E4m3fnuz) min_exponent = -7;
+  if (format == Format::kFp8E5m2) {
+    mantissa_bits = 2;
+    min_exponent = -14;
+  }
+  const float a = std::fabs(q);
+  if (a == 0.0f || !std::isfinite(a)) return q;
+  int e;
+  std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  const int exponent = std::max(e - 1, min_exponent);
+  const float ulp = std::ldexp(1.0f, exponent - mantissa_bits);
+  const float r = std::nearbyint(a / ulp) * ulp;  // a / ulp is exact
+  return std::copysign(r, q);
+}
+
+float FakeQuantize(float x, float scale, Format format) {
+  const float qmax = FormatMax(format);
+  const float q = std::clamp(x / scale, -qmax, qmax);
+  return RoundToFormat(q, format) * scale;
+}
+
+float ScaleFromRange(float range, float margin, Format format) {
+  const float scale = (range * margin) / FormatMax(format);
+  if (!(scale > 0.0f) || !std::isfinite(scale)) {
+    return scale > 0.0f ? std::numeric_limits<float>::max() : FLT_EPSILON;
+  }
+  return scale;
+}
+
+absl::Status ScaleOptions::Validate() const {
+  const uint32_t o = static_cast<uint32_t>(observer);
+  if (o < 1 || o > 5) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown observer ", o));
+  }
+  const uint32_t g = static_cast<uint32_t>(granularity);
+  if (g < 1 || g > 2) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown granularity ", g));
+  }
+  const uint32_t f = static_cast<uint32_t>(format);
+  if (f < 1 || f > 4) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown format ", f));
+  }
+  if (!(averaging_constant > 0.0f && averaging_constant <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "averaging_constant must be in (0, 1], got ", averaging_constant));
+  }
+  if (!(percentile > 0.0 && percentile <= 100.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("percentile must be in (0, 100], got ", percentile));
+  }
+  if (!(std::isfinite(margin) && margin > 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("margin must be finite and > 0, got ", margin));
+  }
+  if (mse_grid == 0) {
+    return absl::InvalidArgumentError("mse_grid must be >= 1");
+  }
+  if (!(mse_max_shrink > 0.0f && mse_max_shrink < 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mse_max_shrink must be in (0, 1), got ", mse_max_shrink));
+  }
+  if (!(mse_norm > 0.0f) || !std::isfinite(mse_norm)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mse_norm must be finite and > 0, got ", mse_norm));
+  }
+  if (mse_patience == 0) {
+    return absl::InvalidArgumentError("mse_patience must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+float ClampedRange(float mn, float mx) {
+  mn = std::min(mn, 0.0f);
+  mx = std::max(mx, 0.0f);
+  return std::max(std::fabs(mn), std::fabs(mx));
+}
+
+float StaticAbsmax(std::span<const HeadStatistics* const> heads) {
+  float mn = std::numeric_limits<float>::infinity();
+  float mx = -std::numeric_limits<float>::infinity();
+  for (const HeadStatistics* h : heads) {
+    if (h->finite_count == 0) continue;
+    mn = std::min(mn, h->min);
+    mx = std::max(mx, h->max);
+  }
+  if (mn > mx) return 0.0f;
+  return ClampedRange(mn, mx);
+}
+
+// Per-batch extrema reduced over heads, in increasing batch order.
+std::map<uint64_t, MinMax> ReducedBatches(
+    std::span<const HeadStatistics* const> heads) {
+  if (heads.size() == 1) return heads[0]->batches;
+  std::map<uint64_t, MinMax> out;
+  for (const HeadStatistics* h : heads) {
+    for (const auto& [batch, extrema] : h->batches) out[batch].Merge(extrema);
+  }
+  return out;
+}
+
+}  // namespace
+
+float MinMaxRange(std::span<const HeadStatistics* const> heads,
+                  Observer observer, float averaging_constant) {
+  if (observer == Observer::kStaticMinMax) return StaticAbsmax(heads);
+  const std::map<uint64_t, MinMax> batches = ReducedBatches(heads);
+  if (batches.empty()) return 0.0f;
+  if (observer == Observer::kMemorylessMinMax) {
+    const MinMax& last = batches.rbegin()->second;
+    return ClampedRange(last.min, last.max);
+  }
+  // EMA on raw batch extrema; the clamp comes once, at the end.
+  auto it = batches.begin();
+  float mn = it->second.min;
+  float mx = it->second.max;
+  for (++it; it != batches.end(); ++it) {
+    mn = mn + averaging_constant * (it->second.min - mn);
+    mx = mx + averaging_constant * (it->second.max - mx);
+  }
+  return ClampedRange(mn, mx);
+}
+
+namespace {
+
+// Values known exactly over a set of heads, descending (CONTRACT.md
+// "Histograms"): every kept tail value above the largest 256th-largest value
+// of any head whose tail does not hold all its values.
+std::vector<float> ExactTop(std::span<const HeadStatistics* const> heads) {
+  float threshold = -1.0f;
+  for (const HeadStatistics* h : heads) {
+    if (h->finite_count > h->tail.size() && !h->tail.empty()) {
+      threshold = std::max(threshold, h->tail.back());
+    }
+  }
+  std::vector<float> out;
+  for (const HeadStatistics* h : heads) {
+    for (float v : h->tail) {
+      if (v > threshold) out.push_back(v);
+    }
+  }
+  std::sort(out.begin(), out.end(), std::greater<float>());
+  return out;
+}
+
+uint64_t FiniteCount(std::span<const HeadStatistics* const> heads) {
+  uint64_t n = 0;
+  for (const HeadStatistics* h : heads) n += h->finite_count;
+  return n;
+}
+
+}  // namespace
+
+float PercentileRange(std::span<const HeadStatistics* const> heads,
+                      double percentile, uint32_t log2_bins_per_octave) {
+  const uint64_t n = FiniteCount(heads);
+  if (n == 0) return 0.0f;
+  double x = percentile / 100.0 * static_cast<double>(n);
+  const double nearest = std::round(x);
+  if (std::fabs(x - nearest) <= 1e-9 * std::max(1.0, x)) x = nearest;
+  uint64_t k = static_cast<uint64_t>(std::ceil(x));
+  k = std::clamp<uint64_t>(k, 1, n);
+  const uint64_t rank_from_top = n - k + 1;
+  const std::vector<float> exact = ExactTop(heads);
+  if (rank_from_top <= exact.size()) return exact[rank_from_top - 1];
+  const float absmax = StaticAbsmax(heads);
+  const size_t bins = heads[0]->histogram.size();
+  uint64_t cumulative = 0;
+  for (uint32_t bin = 0; bin < bins; ++bin) {
+    for (const HeadStatistics* h : heads) cumulative += h->histogram[bin];
+    if (cumulative >= k) {
+      return std::min(HistogramBinUpperEdge(bin, log2_bins_per_octave),
+                      absmax);
+    }
+  }
+  return absmax;
+}
+
+float MseRange(std::span<const HeadStatistics* const> heads,
+               const ScaleOptions& options, uint32_t log2_bins_per_octave) {
+  const float absmax = StaticAbsmax(heads);
+  const int steps = static_cast<int>(std::floor(
+      static_cast<double>(options.mse_max_shrink) * options.mse_grid));
+  if (steps <= 0 || absmax == 0.0f) return absmax;
+
+  // Exact values: every head's kept tail. The rest of the distribution: the
+  // histogram less those values, represented by bin centres.
+  std::vector<float> exact;
+  const size_t bins = heads[0]->histogram.size();
+  std::vector<int64_t> residual(bins, 0);
+  for (const HeadStatistics* h : heads) {
+    for (uint32_t bin = 0; bin < bins; ++bin) {
+      residual[bin] += static_cast<int64_t>(h->histogram[bin]);
+    }
+    for (float v : h->tail) {
+      exact.push_back(v);
+      --residual[HistogramBin(v, log2_bins_per_octave)];
+    }
+  }
+  struct Point {
+    float value;
+    double weight;
+  };
+  std::vector<Point> points;
+  points.reserve(exact.size() + 64);
+  for (float v : exact) points.push_back({v, 1.0});
+  const uint32_t overflow_bin = HistogramBinCount(log2_bins_per_octave) - 1;
+  for (uint32_t bin = 1; bin < bins; ++bin) {  // zero bin has no error
+    if (residual[bin] <= 0) continue;
+    float centre;
+    if (bin == overflow_bin) {
+      centre = HistogramBinLowerEdge(bin, log2_bins_per_octave);
+    } else {
+      centre = 0.5f * (HistogramBinLowerEdge(bin, log2_bins_per_octave) +
+                       HistogramBinUpperEdge(bin, log2_bins_per_octave));
+    }
+    points.push_back({std::min(centre, absmax),
+                      static_cast<double>(residual[bin])});
+  }
+
+  const double norm = options.mse_norm;
+  double best = std::numeric_limits<double>::max();
+  float best_range = absmax;
+  uint32_t without_improvement = 0;
+  for (int i = 0; i < steps; ++i) {
+    const float p = static_cast<float>(
+        1.0 - static_cast<double>(i) / static_cast<double>(options.mse_grid));
+    const float range = p * absmax;
+    const float scale = ScaleFromRange(range, 1.0f, options.format);
+    double error = 0.0;
+    for (const Point& point : points) {
+      const float diff =
+          std::fabs(FakeQuantize(point.value, scale, options.format) -
+                    point.value);
+      if (diff != 0.0f) error += point.weight * std::pow(double{diff}, norm);
+    }
+    if (error < best) {
+      best = error;
+      best_range = range;
+      without_improvement = 0;
+    } else if (++without_improvement >= options.mse_patience) {
+      break;
+    }
+  }
+  return best_range;
+}
+
+namespace {
+
+std::string TripleName(uint32_t layer, Role role, uint32_t head) {
+  return absl::StrCat("(", layer, ", ", RoleName(role), ", ", head, ")");
+}
+
+float ObserverRange(std::span<const HeadStatistics* const> heads,
+                    const ScaleOptions& options, uint32_t log2_bins) {
+  switch (options.observer) {
+    case Observer::kMse:
+      return MseRange(heads, options, log2_bins);
+    case Observer::kPercentile:
+      return PercentileRange(heads, options.percentile, log2_bins);
+    default:
+      return MinMaxRange(heads, options.observer, options.averaging_constant);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
+                                          const ScaleOptions& options) {
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  const Geometry& g = stats.geometry();
+  if ((options.observer == Observer::kMse ||
+       options.observer == Observer::kPercentile) &&
+      !g.has_histograms()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "observer ", ObserverName(options.observer),
+        " needs histograms; this session was created with "
+        "histogram_bins_per_octave = 0"));
+  }
+  if (stats.finite_values() == 0) {
+    return absl::FailedPreconditionError(
+        "the session has no finite values: nothing to calibrate");
+  }
+  std::vector<std::string> missing;
+  uint64_t missing_count = 0;
+  for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
+    for (Role role : g.roles()) {
+      for (uint32_t head = 0; head < g.heads(role); ++head) {
+        if (stats.head(layer, role, head).finite_count != 0) continue;
+        ++missing_count;
+        if (missing.size() < 20) missing.push_back(TripleName(layer, role, head));
+      }
+    }
+  }
+  if (missing_count > 0 && !options.allow_missing) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        missing_count, " (layer, role, head) triples have no data: ",
+        absl::StrJoin(missing, ", "),
+        missing_count > missing.size() ? ", ..." : "",
+        " (set allow_missing to finalize the rest)"));
+  }
+
+  ScaleResult result;
+  result.layers.resize(g.num_layers);
+  struct Job {
+    uint32_t layer;
+    Role role;
+  };
+  std::vector<Job> jobs;
+  for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
+    result.layers[layer].layer = layer;
+    for (Role role : g.roles()) jobs.push_back({layer, role});
+  }
+  const uint32_t log2_bins = g.log2_bins_per_octave();
+  auto run_job = [&](size_t index) {
+    const Job& job = jobs[index];
+    const uint32_t heads = g.heads(job.role);
+    std::vector<const HeadStatistics*> all(heads);
+    RoleScales out;
+    bool any_missing = false;
+    for (uint32_t h = 0; h < heads; ++h) {
+      all[h] = &stats.head(job.layer, job.role, h);
+      out.count += all[h]->finite_count;
+      out.nonfinite += all[h]->nonfinite_count();
+      any_missing |= all[h]->finite_count == 0;
+    }
+    if (!any_missing) {
+      if (options.granularity == Granularity::kPerTensor) {
+        const float range = ObserverRange(all, options, log2_bins);
+        out.scale.push_back(ScaleFromRange(range, options.margin, options.format));
+        out.absmax.push_back(StaticAbsmax(all));
+      } else {
+        for (uint32_t h = 0; h < heads; ++h) {
+          std::span<const HeadStatistics* const> one(&all[h], 1);
+          const float range = ObserverRange(one, options, log2_bins);
+          out.scale.push_back(
+              ScaleFromRange(range, options.margin, options.format));
+          out.absmax.push_back(StaticAbsmax(one));
+        }
+        if (job.role == Role::kQ && options.q_per_kv_group) {
+          const uint32_t group = g.num_attention_heads / g.num_key_value_heads;
+          std::vector<float> scale(g.num_key_value_heads, 0.0f);
+          std::vector<float> absmax(g.num_key_value_heads, 0.0f);
+          for (uint32_t h = 0; h < heads; ++h) {
+            scale[h / group] = std::max(scale[h / group], out.scale[h]);
+            absmax[h / group] = std::max(absmax[h / group], out.absmax[h]);
+          }
+          out.scale = std::move(scale);
+          out.absmax = std::move(absmax);
+        }
+      }
+    }
+    result.layers[job.layer].roles[RoleIndex(job.role)] = std::move(out);
+  };
+  if (options.observer == Observer::kMse ||
+      options.observer == Observer::kPercentile) {
+    ThreadPool::Shared().ParallelFor(jobs.size(), run_job);
+  } else {
+    for (size_t i = 0; i < jobs.size(); ++i) run_job(i);
+  }
+  return result;
+}
+
+}  // namespace kvcal
