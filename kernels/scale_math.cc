@@ -345,9 +345,25 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
     return absl::FailedPreconditionError(
         "the session has no finite values: nothing to calibrate");
   }
+  std::vector<uint32_t> selected;
+  if (options.layers.empty()) {
+    for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
+      selected.push_back(layer);
+    }
+  } else {
+    selected = options.layers;
+    std::sort(selected.begin(), selected.end());
+    selected.erase(std::unique(selected.begin(), selected.end()),
+                   selected.end());
+    if (selected.back() >= g.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", selected.back(), " is out of range: the session has ",
+                       g.num_layers, " layers"));
+    }
+  }
   std::vector<std::string> missing;
   uint64_t missing_count = 0;
-  for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
+  for (uint32_t layer : selected) {
     for (Role role : g.roles()) {
       for (uint32_t head = 0; head < g.heads(role); ++head) {
         if (stats.head(layer, role, head).finite_count != 0) continue;
@@ -365,15 +381,16 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
   }
 
   ScaleResult result;
-  result.layers.resize(g.num_layers);
+  result.layers.resize(selected.size());
   struct Job {
+    size_t slot;  // index into result.layers
     uint32_t layer;
     Role role;
   };
   std::vector<Job> jobs;
-  for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
-    result.layers[layer].layer = layer;
-    for (Role role : g.roles()) jobs.push_back({layer, role});
+  for (size_t slot = 0; slot < selected.size(); ++slot) {
+    result.layers[slot].layer = selected[slot];
+    for (Role role : g.roles()) jobs.push_back({slot, selected[slot], role});
   }
   const uint32_t log2_bins = g.log2_bins_per_octave();
   auto run_job = [&](size_t index) {
@@ -414,7 +431,7 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
         }
       }
     }
-    result.layers[job.layer].roles[RoleIndex(job.role)] = std::move(out);
+    result.layers[job.slot].roles[RoleIndex(job.role)] = std::move(out);
   };
   if (options.observer == Observer::kMse ||
       options.observer == Observer::kPercentile) {

@@ -77,6 +77,9 @@ struct ScaleOptions {
   uint32_t mse_patience = 5;
   bool q_per_kv_group = false;
   bool allow_missing = false;
+  // Only these layers (empty = all): a sharding client asks each worker for
+  // the layers it holds. Every listed layer must exist.
+  std::vector<uint32_t> layers;
 
   // Ranges from CONTRACT.md "Finalize"; InvalidArgument naming the option.
   absl::Status Validate() const;
@@ -101,6 +104,7 @@ struct LayerScales {
 };
 
 struct ScaleResult {
+  // The selected layers (ScaleOptions::layers), ascending.
   std::vector<LayerScales> layers;
 };
 
