@@ -4,8 +4,15 @@
 //
 //   if (kvcal::CudaDeviceCount() > 0) {
 //     KVCAL_ASSIGN_OR_RETURN(auto backend,
-//                            kvcal::CreateCudaBackend(geometry, {.device = 0}));
+//                            kvcal::CreateCudaBackend(geometry, {.device =
+//                            0}));
 //   }
+//
+// State lives in device memory. Accumulate copies the chunk into a pinned
+// host staging ring and enqueues the copy and the kernels on CUDA streams, so
+// it returns before the device has finished (and the copy of the next chunk
+// overlaps the kernels of this one); a device error surfaces from a later
+// call, and from then on every call reports it. Snapshot waits for the device.
 #ifndef KVCAL_KERNELS_CUDA_CUDA_BACKEND_H_
 #define KVCAL_KERNELS_CUDA_CUDA_BACKEND_H_
 
@@ -29,6 +36,26 @@ std::string CudaDeviceDescription(int device);
 
 absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateCudaBackend(
     const Geometry& geometry, const BackendOptions& options = {});
+
+// The CUDA backend with two extra entry points, for benchmarks and for
+// producers whose activations already lie in device memory.
+class CudaStatisticsBackend : public StatisticsBackend {
+ public:
+  // Like Accumulate, but chunk.data points to device memory of this
+  // backend's device (chunk.data.size() is still the byte count). Nothing is
+  // copied: the memory must stay valid and unchanged until Synchronize() or
+  // Snapshot() returns.
+  [[nodiscard]] virtual absl::Status AccumulateDeviceData(
+      const ChunkView& chunk) = 0;
+
+  // Waits until everything enqueued has finished; returns the first device
+  // error, if any.
+  [[nodiscard]] virtual absl::Status Synchronize() = 0;
+};
+
+absl::StatusOr<std::unique_ptr<CudaStatisticsBackend>>
+CreateCudaStatisticsBackend(const Geometry& geometry,
+                            const BackendOptions& options = {});
 
 }  // namespace kvcal
 

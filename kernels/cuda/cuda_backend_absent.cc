@@ -11,6 +11,14 @@ std::string CudaDeviceDescription(int /*device*/) {
          "without nvcc)";
 }
 
+absl::StatusOr<std::unique_ptr<CudaStatisticsBackend>>
+CreateCudaStatisticsBackend(const Geometry& /*geometry*/,
+                            const BackendOptions& /*options*/) {
+  return absl::UnavailableError(
+      "the CUDA backend is not compiled into this build (KVCAL_CUDA=OFF or "
+      "no nvcc at build time)");
+}
+
 absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateCudaBackend(
     const Geometry& /*geometry*/, const BackendOptions& /*options*/) {
   return absl::UnavailableError(

@@ -1,0 +1,543 @@
+// Device code of the CUDA statistics backend. See statistics_kernels.h for
+// the state layout and the launch interface; statistics_kernels.cu
+// instantiates and launches these.
+//
+// AccumulateKernel: grid (blocks_per_head, heads). The blocks of one head
+// walk that head's rows (o, h, 0..inner) with a grid-stride loop over load
+// units (16-byte vectors, or single values when the chunk is not aligned for
+// vectors). Every value goes through the element_math.h functions shared with
+// the CPU backend. Per thread: min/max/counts/sums in registers; per block:
+// the histogram in shared memory (32-bit counters). Each warp keeps its own
+// exact top-kTailCapacity |x| in a shared buffer: values at or below the
+// head's current 256th largest (tail_floor_bits) never enter, and when the
+// buffer holds more than kTailCapacity values the warp sorts it (bitonic) and
+// raises its own floor to its 256th largest. At the end: warp shuffles, one
+// set of global atomics per block, the shared histogram added to the global
+// one, and each warp's <= kTailCapacity candidates written to TailScratch.
+//
+// TailSelectKernel: one block per head of the chunk. Merges the head's tail
+// with its warps' candidates and keeps the kTailCapacity largest exactly
+// (radix select on the float bits when there are more), sorted descending.
+//
+// Why exact: top-k of a union equals top-k of the union of each part's top-k
+// (as multisets), and a value equal to a full set's smallest member does not
+// change that set's multiset, so dropping it is harmless.
+#ifndef KVCAL_KERNELS_CUDA_STATISTICS_KERNELS_CUH_
+#define KVCAL_KERNELS_CUDA_STATISTICS_KERNELS_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+// element_math.h computes unsigned bin offsets from the signed exponent
+// constants (127u + kHistogramMinExponent); the arithmetic is intended and
+// exact, but nvcc warns (#68) and warnings are errors for our code.
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 68
+#include "kernels/element_math.h"
+#pragma nv_diagnostic pop
+#include "kernels/cuda/statistics_kernels.h"
+
+namespace kvcal::cuda {
+
+inline constexpr unsigned kFullWarpMask = 0xffffffffu;
+
+// Bytes of the shared histogram (32-bit counters), rounded up to 16 so the
+// warp tail buffers behind it stay aligned.
+KVCAL_HOST_DEVICE constexpr size_t SharedHistogramBytes(uint32_t bins) {
+  return (static_cast<size_t>(bins) * sizeof(uint32_t) + 15u) &
+         ~static_cast<size_t>(15u);
+}
+
+template <ElementType kType>
+__device__ __forceinline__ float Decode16(uint32_t bits) {
+  if constexpr (kType == ElementType::kF16) {
+    return DecodeF16(static_cast<uint16_t>(bits));
+  } else {
+    return DecodeBf16(static_cast<uint16_t>(bits));
+  }
+}
+
+// How a kernel variant loads its data: Raw is one load unit of kValues
+// values; a thread issues kUnroll loads per round before using any.
+// kUnroll * kValues is 16 values with histograms (so that a warp adds at most
+// 512 tail candidates per round) and 32 without.
+template <ElementType kType, bool kVectorized, bool kHistograms>
+struct Loader;
+
+template <bool kHistograms>
+struct Loader<ElementType::kF32, true, kHistograms> {
+  using Raw = float4;
+  static constexpr int kValues = 4;
+  static constexpr int kUnroll = kHistograms ? 4 : 8;
+  __device__ __forceinline__ static Raw Load(const void* data, uint64_t unit) {
+    return __ldcs(static_cast<const float4*>(data) + unit);
+  }
+  __device__ __forceinline__ static void Decode(const Raw& raw, float* out) {
+    out[0] = raw.x;
+    out[1] = raw.y;
+    out[2] = raw.z;
+    out[3] = raw.w;
+  }
+};
+
+template <bool kHistograms>
+struct Loader<ElementType::kF32, false, kHistograms> {
+  using Raw = float;
+  static constexpr int kValues = 1;
+  static constexpr int kUnroll = 8;
+  __device__ __forceinline__ static Raw Load(const void* data, uint64_t unit) {
+    return __ldcs(static_cast<const float*>(data) + unit);
+  }
+  __device__ __forceinline__ static void Decode(const Raw& raw, float* out) {
+    out[0] = raw;
+  }
+};
+
+template <ElementType kType, bool kHistograms>
+struct Loader16Vector {
+  using Raw = uint4;
+  static constexpr int kValues = 8;
+  static constexpr int kUnroll = kHistograms ? 2 : 4;
+  __device__ __forceinline__ static Raw Load(const void* data, uint64_t unit) {
+    return __ldcs(static_cast<const uint4*>(data) + unit);
+  }
+  // Little-endian: element 2w is the low half of word w.
+  __device__ __forceinline__ static void Decode(const Raw& raw, float* out) {
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      out[2 * w] = Decode16<kType>(words[w] & 0xffffu);
+      out[2 * w + 1] = Decode16<kType>(words[w] >> 16);
+    }
+  }
+};
+
+template <ElementType kType>
+struct Loader16Scalar {
+  using Raw = unsigned short;
+  static constexpr int kValues = 1;
+  static constexpr int kUnroll = 8;
+  __device__ __forceinline__ static Raw Load(const void* data, uint64_t unit) {
+    return __ldcs(static_cast<const unsigned short*>(data) + unit);
+  }
+  __device__ __forceinline__ static void Decode(const Raw& raw, float* out) {
+    out[0] = Decode16<kType>(raw);
+  }
+};
+
+template <bool kHistograms>
+struct Loader<ElementType::kF16, true, kHistograms>
+    : Loader16Vector<ElementType::kF16, kHistograms> {};
+template <bool kHistograms>
+struct Loader<ElementType::kBf16, true, kHistograms>
+    : Loader16Vector<ElementType::kBf16, kHistograms> {};
+template <bool kHistograms>
+struct Loader<ElementType::kF16, false, kHistograms>
+    : Loader16Scalar<ElementType::kF16> {};
+template <bool kHistograms>
+struct Loader<ElementType::kBf16, false, kHistograms>
+    : Loader16Scalar<ElementType::kBf16> {};
+
+// Sorts buf[0, n) descending; n a power of two; called by all 32 lanes of a
+// warp. In each step the pairs (i, i ^ j) are disjoint and each is handled by
+// the lane owning the lower index.
+__device__ __forceinline__ void WarpSortDescending(float* buf, uint32_t n,
+                                                   uint32_t lane) {
+  for (uint32_t k = 2; k <= n; k <<= 1) {
+    for (uint32_t j = k >> 1; j > 0; j >>= 1) {
+      for (uint32_t i = lane; i < n; i += 32) {
+        const uint32_t partner = i ^ j;
+        if (partner > i) {
+          const float a = buf[i];
+          const float b = buf[partner];
+          const bool descending = (i & k) == 0;
+          if (descending ? (a < b) : (a > b)) {
+            buf[i] = b;
+            buf[partner] = a;
+          }
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// Keeps the kTailCapacity largest of buf[0, count) in buf[0, kTailCapacity),
+// sorted descending. kTailCapacity < count <= kWarpTailBuffer.
+__device__ __forceinline__ void CompactWarpTail(float* buf, uint32_t count,
+                                                uint32_t lane) {
+  const uint32_t n =
+      count <= 512u ? 512u : static_cast<uint32_t>(kWarpTailBuffer);
+  for (uint32_t i = count + lane; i < n; i += 32)
+    buf[i] = -1.0f;  // below any |x|
+  __syncwarp();
+  WarpSortDescending(buf, n, lane);
+}
+
+template <ElementType kType, bool kVectorized, bool kHistograms>
+__global__ void __launch_bounds__(kAccumulateThreads, 4)
+    AccumulateKernel(DeviceState state, TailScratch scratch,
+                     ChunkLaunch chunk) {
+  using L = Loader<kType, kVectorized, kHistograms>;
+  constexpr int kValues = L::kValues;
+  constexpr int kUnroll = L::kUnroll;
+  constexpr int kPerRound = kValues * kUnroll;
+  static_assert(!kHistograms || kPerRound <= 16,
+                "candidate mask and warp tail buffer hold 16 values per lane");
+  static_assert(kTailCapacity + 32 * 16 <= kWarpTailBuffer);
+
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  __shared__ float warp_min[kAccumulateWarps];
+  __shared__ float warp_max[kAccumulateWarps];
+  __shared__ uint32_t warp_finite[kAccumulateWarps];
+  __shared__ uint32_t warp_nan[kAccumulateWarps];
+  __shared__ uint32_t warp_inf[kAccumulateWarps];
+  __shared__ double warp_sum[kAccumulateWarps];
+  __shared__ double warp_sum_squares[kAccumulateWarps];
+
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t warp = threadIdx.x >> 5;
+  const uint32_t h = blockIdx.y;
+  const uint32_t head = chunk.head_base + h;
+
+  uint32_t* histogram = reinterpret_cast<uint32_t*>(shared_bytes);
+  float* tail_buffer = reinterpret_cast<float*>(
+                           shared_bytes + SharedHistogramBytes(state.bins)) +
+                       static_cast<size_t>(warp) * kWarpTailBuffer;
+  uint32_t floor_bits = 0;  // an |x| is a tail candidate when its bits >= this
+  uint32_t tail_count = 0;  // warp-uniform
+  if constexpr (kHistograms) {
+    for (uint32_t b = threadIdx.x; b < state.bins; b += blockDim.x) {
+      histogram[b] = 0;
+    }
+    floor_bits = state.tail_floor_bits[head];
+    __syncthreads();
+  }
+
+  // Load unit u of row o of this head sits at (o * heads + h) * units_per_row
+  // + u. The thread visits flat indices j = t, t + stride, ... below total,
+  // tracking (row, unit-in-row) and the absolute unit index incrementally.
+  const uint64_t units_per_row = chunk.inner / kValues;
+  const uint64_t total = chunk.outer * units_per_row;
+  const uint64_t row_step = static_cast<uint64_t>(chunk.heads) * units_per_row;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  const uint64_t stride_rows = stride / units_per_row;
+  const uint64_t stride_units = stride - stride_rows * units_per_row;
+  const uint64_t step = stride_rows * row_step + stride_units;
+  const uint64_t carry_step = row_step - units_per_row;
+  uint64_t j = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint64_t in_row = j % units_per_row;
+  uint64_t unit = (j / units_per_row) * row_step +
+                  static_cast<uint64_t>(h) * units_per_row + in_row;
+
+  float min_value = BitsToFloat(0x7f800000u);  // +Inf
+  float max_value = BitsToFloat(0xff800000u);  // -Inf
+  uint32_t finite = 0;
+  uint32_t nan = 0;
+  uint32_t inf = 0;
+  double sum = 0.0;
+  double sum_squares = 0.0;
+
+  // Rounds are uniform over the grid (the loop bound does not depend on the
+  // thread), so warp-collective tail code below sees all 32 lanes.
+  const uint64_t round_step = stride * kUnroll;
+  for (uint64_t round = 0; round < total; round += round_step) {
+    typename L::Raw raw[kUnroll];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      valid[u] = j < total;
+      raw[u] = typename L::Raw{};
+      if (valid[u]) raw[u] = L::Load(chunk.data, unit);
+      j += stride;
+      in_row += stride_units;
+      unit += step;
+      if (in_row >= units_per_row) {  // stride_units < units_per_row: one carry
+        in_row -= units_per_row;
+        unit += carry_step;
+      }
+    }
+
+    [[maybe_unused]] float magnitudes[kHistograms ? kPerRound : 1];
+    [[maybe_unused]] uint32_t candidates = 0;  // bit v: magnitudes[v] enters
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float decoded[kValues];
+      L::Decode(raw[u], decoded);
+#pragma unroll
+      for (int v = 0; v < kValues; ++v) {
+        const float x = CanonicalZero(decoded[v]);
+        if (!valid[u]) continue;
+        if (IsNonFinite(x)) {
+          if (IsNan(x)) {
+            ++nan;
+          } else {
+            ++inf;
+          }
+          continue;
+        }
+        ++finite;
+        min_value = fminf(min_value, x);
+        max_value = fmaxf(max_value, x);
+        sum += x;
+        sum_squares += static_cast<double>(x) * x;
+        if constexpr (kHistograms) {
+          atomicAdd(&histogram[HistogramBin(x, state.log2_bins_per_octave)],
+                    1u);
+          const uint32_t magnitude_bits = FloatBits(x) & 0x7fffffffu;
+          magnitudes[u * kValues + v] = BitsToFloat(magnitude_bits);
+          if (magnitude_bits >= floor_bits)
+            candidates |= 1u << (u * kValues + v);
+        }
+      }
+    }
+
+    if constexpr (kHistograms) {
+      if (__any_sync(kFullWarpMask, candidates != 0)) {
+        // Append this round's candidates behind the kept ones: exclusive
+        // prefix sum of the lanes' counts gives each lane its offset.
+        const uint32_t mine = __popc(candidates);
+        uint32_t inclusive = mine;
+#pragma unroll
+        for (uint32_t d = 1; d < 32; d <<= 1) {
+          const uint32_t below = __shfl_up_sync(kFullWarpMask, inclusive, d);
+          if (lane >= d) inclusive += below;
+        }
+        const uint32_t added = __shfl_sync(kFullWarpMask, inclusive, 31);
+        uint32_t position = tail_count + inclusive - mine;
+#pragma unroll
+        for (int v = 0; v < kPerRound; ++v) {
+          if ((candidates >> v) & 1u) tail_buffer[position++] = magnitudes[v];
+        }
+        tail_count += added;  // <= kTailCapacity + 512
+        __syncwarp();
+        if (tail_count > kTailCapacity) {
+          CompactWarpTail(tail_buffer, tail_count, lane);
+          tail_count = kTailCapacity;
+          floor_bits = FloatBits(tail_buffer[kTailCapacity - 1]) + 1u;
+        }
+      }
+    }
+  }
+
+  if constexpr (kHistograms) {
+    // tail_count <= kTailCapacity here: every round ends compacted.
+    const size_t global_warp =
+        (static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x) *
+            kAccumulateWarps +
+        warp;
+    float* out = scratch.candidates + global_warp * kTailCapacity;
+    __syncwarp();
+    for (uint32_t i = lane; i < tail_count; i += 32) out[i] = tail_buffer[i];
+    if (lane == 0) scratch.candidate_counts[global_warp] = tail_count;
+  }
+
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    min_value = fminf(min_value, __shfl_xor_sync(kFullWarpMask, min_value, d));
+    max_value = fmaxf(max_value, __shfl_xor_sync(kFullWarpMask, max_value, d));
+    finite += __shfl_xor_sync(kFullWarpMask, finite, d);
+    nan += __shfl_xor_sync(kFullWarpMask, nan, d);
+    inf += __shfl_xor_sync(kFullWarpMask, inf, d);
+    sum += __shfl_xor_sync(kFullWarpMask, sum, d);
+    sum_squares += __shfl_xor_sync(kFullWarpMask, sum_squares, d);
+  }
+  if (lane == 0) {
+    warp_min[warp] = min_value;
+    warp_max[warp] = max_value;
+    warp_finite[warp] = finite;
+    warp_nan[warp] = nan;
+    warp_inf[warp] = inf;
+    warp_sum[warp] = sum;
+    warp_sum_squares[warp] = sum_squares;
+  }
+  __syncthreads();
+
+  if constexpr (kHistograms) {
+    unsigned long long* global_histogram =
+        state.histogram + static_cast<size_t>(head) * state.bins;
+    for (uint32_t b = threadIdx.x; b < state.bins; b += blockDim.x) {
+      const uint32_t count = histogram[b];
+      if (count != 0) {
+        atomicAdd(global_histogram + b, static_cast<unsigned long long>(count));
+      }
+    }
+  }
+
+  if (threadIdx.x == 0) {
+    float block_min = warp_min[0];
+    float block_max = warp_max[0];
+    unsigned long long block_finite = warp_finite[0];
+    unsigned long long block_nan = warp_nan[0];
+    unsigned long long block_inf = warp_inf[0];
+    double block_sum = warp_sum[0];
+    double block_sum_squares = warp_sum_squares[0];
+#pragma unroll
+    for (int w = 1; w < kAccumulateWarps; ++w) {
+      block_min = fminf(block_min, warp_min[w]);
+      block_max = fmaxf(block_max, warp_max[w]);
+      block_finite += warp_finite[w];
+      block_nan += warp_nan[w];
+      block_inf += warp_inf[w];
+      block_sum += warp_sum[w];
+      block_sum_squares += warp_sum_squares[w];
+    }
+    if (block_finite != 0) {
+      atomicAdd(&state.counts[3 * static_cast<size_t>(head)], block_finite);
+      atomicAdd(&state.sums[2 * static_cast<size_t>(head)], block_sum);
+      atomicAdd(&state.sums[2 * static_cast<size_t>(head) + 1],
+                block_sum_squares);
+      const uint32_t min_key = OrderedKeyFromBits(FloatBits(block_min));
+      const uint32_t max_key = OrderedKeyFromBits(FloatBits(block_max));
+      atomicMax(&state.min_key_inverted[head], ~min_key);
+      atomicMax(&state.max_key[head], max_key);
+      const size_t batch_index =
+          static_cast<size_t>(chunk.batch_slot) * state.heads_total + head;
+      atomicMax(&state.batch_min_key_inverted[batch_index], ~min_key);
+      atomicMax(&state.batch_max_key[batch_index], max_key);
+    }
+    if (block_nan != 0) {
+      atomicAdd(&state.counts[3 * static_cast<size_t>(head) + 1], block_nan);
+    }
+    if (block_inf != 0) {
+      atomicAdd(&state.counts[3 * static_cast<size_t>(head) + 2], block_inf);
+    }
+  }
+}
+
+// One block of kTailSelectThreads per head of the chunk (blockIdx.x = chunk
+// head); warps_per_head = blocks_per_head * kAccumulateWarps of the
+// AccumulateKernel launch it follows.
+__global__ void __launch_bounds__(kTailSelectThreads)
+    TailSelectKernel(DeviceState state, TailScratch scratch, uint32_t head_base,
+                     uint32_t warps_per_head) {
+  static_assert(kTailSelectThreads == kTailCapacity,
+                "the final bitonic sort gives each thread one element");
+  __shared__ float kept[kTailCapacity];
+  __shared__ uint32_t digit_counts[256];
+  __shared__ uint32_t fresh_total;
+  __shared__ uint32_t kept_cursor;
+  __shared__ uint32_t chosen_digit;
+  __shared__ uint32_t still_needed;
+
+  const uint32_t tid = threadIdx.x;
+  const uint32_t head = head_base + blockIdx.x;
+  const uint32_t* counts = scratch.candidate_counts +
+                           static_cast<size_t>(blockIdx.x) * warps_per_head;
+  const float* candidates =
+      scratch.candidates +
+      static_cast<size_t>(blockIdx.x) * warps_per_head * kTailCapacity;
+  float* tail = state.tail + static_cast<size_t>(head) * kTailCapacity;
+
+  if (tid == 0) {
+    fresh_total = 0;
+    kept_cursor = 0;
+  }
+  __syncthreads();
+  uint32_t local = 0;
+  for (uint32_t w = tid; w < warps_per_head; w += blockDim.x)
+    local += counts[w];
+  if (local != 0) atomicAdd(&fresh_total, local);
+  __syncthreads();
+  const uint32_t fresh = fresh_total;
+  if (fresh == 0) return;  // block-uniform: nothing can change the tail
+  const uint32_t old_size = state.tail_size[head];
+  const uint32_t n = old_size + fresh;
+
+  // Calls fn on every input value: the head's current tail, then each warp's
+  // candidates; the block's threads share the work.
+  auto for_each_input = [&](auto&& fn) {
+    for (uint32_t i = tid; i < old_size; i += blockDim.x) fn(tail[i]);
+    for (uint32_t w = 0; w < warps_per_head; ++w) {
+      const uint32_t c = counts[w];
+      const float* values = candidates + static_cast<size_t>(w) * kTailCapacity;
+      for (uint32_t i = tid; i < c; i += blockDim.x) fn(values[i]);
+    }
+  };
+
+  uint32_t kept_count = 0;
+  if (n <= kTailCapacity) {
+    for_each_input([&](float v) { kept[atomicAdd(&kept_cursor, 1u)] = v; });
+    kept_count = n;
+  } else {
+    // Radix select of the kTailCapacity-th largest: inputs are >= 0, so their
+    // bits order like the values. Eight bits per pass, most significant
+    // first; `prefix` holds the digits chosen so far and `need` how many
+    // values with that prefix are still to be kept.
+    uint32_t prefix = 0;
+    uint32_t prefix_mask = 0;
+    uint32_t need = kTailCapacity;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (uint32_t d = tid; d < 256; d += blockDim.x) digit_counts[d] = 0;
+      __syncthreads();
+      for_each_input([&](float v) {
+        const uint32_t bits = FloatBits(v);
+        if ((bits & prefix_mask) == prefix) {
+          atomicAdd(&digit_counts[(bits >> shift) & 0xffu], 1u);
+        }
+      });
+      __syncthreads();
+      if (tid == 0) {
+        uint32_t above = 0;
+        uint32_t digit = 255;
+        for (; digit > 0; --digit) {
+          if (above + digit_counts[digit] >= need) break;
+          above += digit_counts[digit];
+        }
+        chosen_digit = digit;
+        still_needed = need - above;
+      }
+      __syncthreads();
+      prefix |= chosen_digit << shift;
+      prefix_mask |= 0xffu << shift;
+      need = still_needed;
+      __syncthreads();  // digit_counts and chosen_digit are reused next pass
+    }
+    // `prefix` is now the kTailCapacity-th largest value; kTailCapacity -
+    // need values are strictly greater, and `need` copies of it complete the
+    // set.
+    const uint32_t greater = kTailCapacity - need;
+    for_each_input([&](float v) {
+      if (FloatBits(v) > prefix) kept[atomicAdd(&kept_cursor, 1u)] = v;
+    });
+    for (uint32_t i = greater + tid; i < kTailCapacity; i += blockDim.x) {
+      kept[i] = BitsToFloat(prefix);
+    }
+    kept_count = kTailCapacity;
+  }
+  __syncthreads();
+  for (uint32_t i = kept_count + tid; i < kTailCapacity; i += blockDim.x) {
+    kept[i] = -1.0f;  // padding sorts last
+  }
+  __syncthreads();
+
+  for (uint32_t k = 2; k <= kTailCapacity; k <<= 1) {
+    for (uint32_t j = k >> 1; j > 0; j >>= 1) {
+      const uint32_t partner = tid ^ j;
+      if (partner > tid) {
+        const float a = kept[tid];
+        const float b = kept[partner];
+        const bool descending = (tid & k) == 0;
+        if (descending ? (a < b) : (a > b)) {
+          kept[tid] = b;
+          kept[partner] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+
+  for (uint32_t i = tid; i < kept_count; i += blockDim.x) tail[i] = kept[i];
+  if (tid == 0) {
+    state.tail_size[head] = kept_count;
+    state.tail_floor_bits[head] = kept_count == kTailCapacity
+                                      ? FloatBits(kept[kTailCapacity - 1]) + 1u
+                                      : 0u;
+  }
+}
+
+}  // namespace kvcal::cuda
+
+#endif  // KVCAL_KERNELS_CUDA_STATISTICS_KERNELS_CUH_
