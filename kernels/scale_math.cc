@@ -188,8 +188,11 @@ float MinMaxRange(std::span<const HeadStatistics* const> heads,
 namespace {
 
 // Values known exactly over a set of heads, descending (CONTRACT.md
-// "Histograms"): every kept tail value above the largest 256th-largest value
-// of any head whose tail does not hold all its values.
+// "Histograms"): every kept tail value at or above T, the largest
+// 256th-largest value of any head whose tail does not hold all its values.
+// Every value above T is kept by its head, so the j-th entry of the result is
+// the true j-th largest |x| for every entry >= T; T itself included, which
+// makes all 256 kept values of a single head exact.
 std::vector<float> ExactTop(std::span<const HeadStatistics* const> heads) {
   float threshold = -1.0f;
   for (const HeadStatistics* h : heads) {
@@ -200,7 +203,7 @@ std::vector<float> ExactTop(std::span<const HeadStatistics* const> heads) {
   std::vector<float> out;
   for (const HeadStatistics* h : heads) {
     for (float v : h->tail) {
-      if (v > threshold) out.push_back(v);
+      if (v >= threshold) out.push_back(v);
     }
   }
   std::sort(out.begin(), out.end(), std::greater<float>());

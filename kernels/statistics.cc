@@ -26,6 +26,7 @@ void HeadStatistics::Add(float x, uint64_t batch,
     }
     return;
   }
+  x = CanonicalZero(x);  // min and max see -0.0 as +0.0, as every backend does
   if (x < min) min = x;
   if (x > max) max = x;
   ++finite_count;

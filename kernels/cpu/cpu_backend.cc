@@ -28,9 +28,12 @@ class CpuBackend final : public StatisticsBackend {
   CpuBackend(const Geometry& geometry, const BackendOptions& options)
       : stats_(geometry),
         locks_(static_cast<size_t>(geometry.num_layers) * 3),
-        pool_(options.cpu_threads > 0
+        // ThreadPool(0) means "hardware concurrency - 1" workers, so one
+        // thread (cpu_threads == 1) must not construct a pool at all.
+        pool_(options.cpu_threads > 1
                   ? std::make_unique<ThreadPool>(options.cpu_threads - 1)
-                  : nullptr) {}
+                  : nullptr),
+        single_thread_(options.cpu_threads == 1) {}
 
   absl::string_view name() const override { return "cpu"; }
   const Geometry& geometry() const override { return stats_.geometry(); }
@@ -75,7 +78,8 @@ class CpuBackend final : public StatisticsBackend {
 
     std::lock_guard<std::mutex> lock(
         locks_[chunk.layer * 3 + static_cast<size_t>(RoleIndex(chunk.role))]);
-    if (extent.heads > 1 && extent.elements() >= kParallelThreshold) {
+    if (!single_thread_ && extent.heads > 1 &&
+        extent.elements() >= kParallelThreshold) {
       ThreadPool& pool = pool_ ? *pool_ : ThreadPool::Shared();
       pool.ParallelFor(extent.heads, process_head);
     } else {
@@ -115,6 +119,7 @@ class CpuBackend final : public StatisticsBackend {
   SessionStatistics stats_;
   std::vector<std::mutex> locks_;
   std::unique_ptr<ThreadPool> pool_;
+  bool single_thread_;
 };
 
 }  // namespace
