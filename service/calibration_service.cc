@@ -1,0 +1,434 @@
+#include "service/calibration_service.h"
+
+#include <chrono>
+#include <deque>
+#include <mutex>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "service/grpc_status.h"
+#include "service/log.h"
+#include "service/proto_convert.h"
+
+namespace kvcal::service {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace pb = ::kvcal::v1;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+CalibrationService::CalibrationService(ServiceOptions options)
+    : options_(std::move(options)),
+      registry_(options_.registry),
+      executor_(options_.executor_threads) {
+  metrics_.SetSessionGauge([this] { return registry_.size(); });
+}
+
+CalibrationService::~CalibrationService() = default;
+
+absl::Status CalibrationService::Authorize(
+    grpc::CallbackServerContext* context) const {
+  if (!options_.auth.has_value()) return absl::OkStatus();
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) {
+    return absl::UnauthenticatedError(
+        "missing 'authorization: Bearer <token>' metadata");
+  }
+  absl::StatusOr<std::string> tenant = options_.auth->Authenticate(
+      absl::string_view(it->second.data(), it->second.size()));
+  return tenant.status();
+}
+
+template <typename Body>
+grpc::ServerUnaryReactor* CalibrationService::Unary(
+    grpc::CallbackServerContext* context, const char* method, bool offload,
+    Body body) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const Clock::time_point start = Clock::now();
+  auto run = [this, context, reactor, method, start,
+              body = std::move(body)]() mutable {
+    absl::Status status = Authorize(context);
+    if (status.ok()) status = body();
+    if (!status.ok()) metrics_.RecordReject(static_cast<int>(status.code()));
+    metrics_.RecordLatency(method, SecondsSince(start));
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  if (offload) {
+    executor_.Schedule(std::move(run));
+  } else {
+    run();
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CalibrationService::CreateSession(
+    grpc::CallbackServerContext* context,
+    const pb::CreateSessionRequest* request, pb::Session* response) {
+  return Unary(
+      context, "CreateSession", /*offload=*/true,
+      [this, request, response]() -> absl::Status {
+        absl::StatusOr<Geometry> geometry = GeometryFromProto(*request);
+        if (!geometry.ok()) return geometry.status();
+        auto session = registry_.Create(request->session_id(), *geometry);
+        if (!session.ok()) return session.status();
+        auto info = (*session)->Info();
+        if (!info.ok()) return info.status();
+        SessionInfoToProto(*info, response);
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* CalibrationService::GetSession(
+    grpc::CallbackServerContext* context, const pb::GetSessionRequest* request,
+    pb::Session* response) {
+  return Unary(context, "GetSession", /*offload=*/true,
+               [this, request, response]() -> absl::Status {
+                 auto session = registry_.Get(request->session_id());
+                 if (!session.ok()) return session.status();
+                 auto info = (*session)->Info();
+                 if (!info.ok()) return info.status();
+                 SessionInfoToProto(*info, response);
+                 return absl::OkStatus();
+               });
+}
+
+grpc::ServerUnaryReactor* CalibrationService::ListSessions(
+    grpc::CallbackServerContext* context,
+    const pb::ListSessionsRequest* /*request*/,
+    pb::ListSessionsResponse* response) {
+  return Unary(context, "ListSessions", /*offload=*/true,
+               [this, response]() -> absl::Status {
+                 for (const auto& session : registry_.List()) {
+                   auto info = session->Info();
+                   if (!info.ok()) return info.status();
+                   SessionInfoToProto(*info, response->add_sessions());
+                 }
+                 return absl::OkStatus();
+               });
+}
+
+grpc::ServerUnaryReactor* CalibrationService::DeleteSession(
+    grpc::CallbackServerContext* context,
+    const pb::DeleteSessionRequest* request,
+    pb::DeleteSessionResponse* /*response*/) {
+  return Unary(context, "DeleteSession", /*offload=*/false,
+               [this, request]() -> absl::Status {
+                 return registry_.Delete(request->session_id());
+               });
+}
+
+grpc::ServerUnaryReactor* CalibrationService::Finalize(
+    grpc::CallbackServerContext* context, const pb::FinalizeRequest* request,
+    pb::FinalizeResponse* response) {
+  return Unary(context, "Finalize", /*offload=*/true,
+               [this, request, response]() -> absl::Status {
+                 auto session = registry_.Get(request->session_id());
+                 if (!session.ok()) return session.status();
+                 absl::StatusOr<ScaleOptions> options =
+                     ScaleOptionsFromProto(*request);
+                 if (!options.ok()) return options.status();
+                 auto result = (*session)->Finalize(*options);
+                 if (!result.ok()) return result.status();
+                 ScaleResultToProto(*result, response);
+                 return absl::OkStatus();
+               });
+}
+
+grpc::ServerUnaryReactor* CalibrationService::ExportState(
+    grpc::CallbackServerContext* context, const pb::ExportStateRequest* request,
+    pb::SessionState* response) {
+  return Unary(context, "ExportState", /*offload=*/true,
+               [this, request, response]() -> absl::Status {
+                 auto session = registry_.Get(request->session_id());
+                 if (!session.ok()) return session.status();
+                 auto snapshot = (*session)->Export();
+                 if (!snapshot.ok()) return snapshot.status();
+                 SnapshotToProto((*session)->id(), *snapshot, response);
+                 return absl::OkStatus();
+               });
+}
+
+grpc::ServerUnaryReactor* CalibrationService::ImportState(
+    grpc::CallbackServerContext* context, const pb::ImportStateRequest* request,
+    pb::Session* response) {
+  return Unary(context, "ImportState", /*offload=*/true,
+               [this, request, response]() -> absl::Status {
+                 absl::Status id_ok =
+                     ValidateSessionId(request->session_id(), false);
+                 if (!id_ok.ok()) return id_ok;
+                 auto snapshot = SnapshotFromProto(request->state());
+                 if (!snapshot.ok()) return snapshot.status();
+                 auto session = registry_.Import(
+                     request->session_id(), *snapshot, request->import_id());
+                 if (!session.ok()) return session.status();
+                 auto info = (*session)->Info();
+                 if (!info.ok()) return info.status();
+                 SessionInfoToProto(*info, response);
+                 return absl::OkStatus();
+               });
+}
+
+absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
+    const pb::IngestRequest& request) {
+  const std::string producer = ResolveProducerId(request.producer_id());
+  auto session = registry_.Get(request.session_id());
+  if (!session.ok()) {
+    return absl::Status(
+        session.status().code(),
+        absl::StrCat("chunk ", request.sequence(), " from producer '", producer,
+                     "': ", session.status().message()));
+  }
+  absl::StatusOr<IngestOutcome> outcome =
+      (*session)->Ingest(producer, request.sequence(), ChunkFromProto(request));
+  if (!outcome.ok()) return outcome.status();
+  if (outcome->applied) {
+    const uint64_t element_size = request.dtype() == pb::DTYPE_F32 ? 4 : 2;
+    metrics_.RecordIngest(request.data().size(),
+                          request.data().size() / element_size);
+  } else {
+    metrics_.RecordDuplicate();
+  }
+  pb::IngestResponse response;
+  response.set_producer_id(producer);
+  response.set_sequence(request.sequence());
+  response.set_applied(outcome->applied);
+  response.set_watermark(outcome->watermark);
+  return response;
+}
+
+void CalibrationService::AddInflight(int64_t delta) {
+  const int64_t now = inflight_bytes_.fetch_add(delta) + delta;
+  metrics_.SetInflightBytes(static_cast<uint64_t>(std::max<int64_t>(now, 0)));
+}
+
+bool CalibrationService::InflightBelowLimit() const {
+  return inflight_bytes_.load() <
+         static_cast<int64_t>(options_.max_inflight_bytes);
+}
+
+// One Ingest stream. Reads chunks while the stream's and the worker's
+// in-flight bounds allow (gRPC flow control then slows the producer), applies
+// them in order on the executor, and writes one response per chunk in order.
+// The first error is sent after the responses of the chunks before it.
+class IngestReactor final
+    : public grpc::ServerBidiReactor<pb::IngestRequest, pb::IngestResponse> {
+ public:
+  IngestReactor(CalibrationService* service,
+                grpc::CallbackServerContext* context)
+      : service_(service), start_(Clock::now()) {
+    service_->metrics_.StreamOpened();
+    absl::Status auth = service_->Authorize(context);
+    if (!auth.ok()) {
+      service_->metrics_.RecordReject(static_cast<int>(auth.code()));
+      finished_ = true;
+      Finish(ToGrpcStatus(auth));
+      return;
+    }
+    StartNextRead();
+  }
+
+  void OnReadDone(bool ok) override {
+    bool schedule = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reading_ = false;
+      if (!ok || failed_) {
+        read_closed_ = true;
+        read_buffer_.reset();
+      } else {
+        const int64_t bytes = static_cast<int64_t>(read_buffer_->data().size());
+        pending_bytes_ += bytes;
+        service_->AddInflight(bytes);
+        pending_.push_back(std::move(read_buffer_));
+        if (!applying_) {
+          applying_ = true;
+          schedule = true;
+        }
+      }
+    }
+    if (schedule) service_->executor_.Schedule([this] { ApplyLoop(); });
+    StartNextRead();
+    MaybeFinish();
+  }
+
+  void OnWriteDone(bool ok) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writing_ = false;
+      writes_.pop_front();
+      if (!ok) {
+        Fail(grpc::Status(grpc::StatusCode::CANCELLED,
+                          "the client stopped receiving responses"),
+             /*drop_writes=*/true);
+      }
+    }
+    StartNextWrite();
+    MaybeFinish();
+  }
+
+  void OnCancel() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Fail(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled"),
+           /*drop_writes=*/true);
+    }
+    MaybeFinish();
+  }
+
+  void OnDone() override {
+    service_->metrics_.RecordLatency("Ingest", SecondsSince(start_));
+    service_->metrics_.StreamClosed();
+    delete this;
+  }
+
+ private:
+  // mu_ held. Drops every chunk not yet applied; with `drop_writes` (the
+  // client is gone) also the responses not yet written, else those are still
+  // sent before the error.
+  void Fail(grpc::Status status, bool drop_writes) {
+    if (drop_writes) {
+      while (writes_.size() > (writing_ ? 1u : 0u)) writes_.pop_back();
+    }
+    if (failed_) return;
+    failed_ = true;
+    final_status_ = std::move(status);
+    service_->AddInflight(-pending_bytes_);
+    pending_bytes_ = 0;
+    pending_.clear();
+  }
+
+  // mu_ held. True (once) when the stream is to be finished with *status.
+  bool ShouldFinishLocked(grpc::Status* status) {
+    if (finished_ || applying_ || writing_ || !writes_.empty()) return false;
+    if (!failed_ && !(read_closed_ && pending_.empty())) return false;
+    finished_ = true;
+    *status = failed_ ? final_status_ : grpc::Status::OK;
+    return true;
+  }
+
+  void StartNextRead() {
+    pb::IngestRequest* target = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (reading_ || read_closed_ || failed_ || finished_) return;
+      if (static_cast<int>(pending_.size()) >=
+          service_->options_.max_pending_per_stream) {
+        return;  // resumed by ApplyLoop
+      }
+      if (!pending_.empty() && !service_->InflightBelowLimit()) {
+        const int64_t now = std::chrono::duration_cast<std::chrono::seconds>(
+                                Clock::now().time_since_epoch())
+                                .count();
+        int64_t last = service_->last_backpressure_log_.load();
+        if (now - last >= 10 &&
+            service_->last_backpressure_log_.compare_exchange_strong(last,
+                                                                     now)) {
+          KVCAL_LOG(WARNING)
+              << "ingest: in-flight chunk memory reached the "
+              << service_->options_.max_inflight_bytes
+              << " byte bound (--max-inflight-bytes); pausing reads";
+        }
+        return;  // resumed by ApplyLoop once this stream's chunks drain
+      }
+      read_buffer_ = std::make_unique<pb::IngestRequest>();
+      target = read_buffer_.get();
+      reading_ = true;
+    }
+    StartRead(target);
+  }
+
+  void StartNextWrite() {
+    const pb::IngestResponse* message = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (writing_ || writes_.empty() || finished_) return;
+      writing_ = true;
+      message = &writes_.front();
+    }
+    StartWrite(message);
+  }
+
+  void ApplyLoop() {
+    for (;;) {
+      std::unique_ptr<pb::IngestRequest> request;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (pending_.empty() || failed_) {
+          // Decide under the same lock that clears applying_: once it is
+          // clear a reaction may finish the stream and delete this reactor.
+          applying_ = false;
+          grpc::Status status;
+          if (!ShouldFinishLocked(&status)) return;
+          request.reset();
+          final_for_finish_ = std::move(status);
+        }
+        if (applying_) {
+          request = std::move(pending_.front());
+          pending_.pop_front();
+        }
+      }
+      if (request == nullptr) {
+        Finish(final_for_finish_);
+        return;
+      }
+      absl::StatusOr<pb::IngestResponse> response =
+          service_->ApplyChunk(*request);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        const int64_t bytes = static_cast<int64_t>(request->data().size());
+        if (!failed_) {
+          pending_bytes_ -= bytes;
+          service_->AddInflight(-bytes);
+        }
+        if (response.ok()) {
+          if (!failed_) writes_.push_back(*std::move(response));
+        } else {
+          service_->metrics_.RecordReject(
+              static_cast<int>(response.status().code()));
+          Fail(ToGrpcStatus(response.status()), /*drop_writes=*/false);
+        }
+      }
+      request.reset();
+      StartNextWrite();
+      StartNextRead();
+    }
+  }
+
+  void MaybeFinish() {
+    grpc::Status status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!ShouldFinishLocked(&status)) return;
+    }
+    Finish(status);
+  }
+
+  CalibrationService* const service_;
+  const Clock::time_point start_;
+  std::mutex mu_;
+  std::unique_ptr<pb::IngestRequest> read_buffer_;
+  std::deque<std::unique_ptr<pb::IngestRequest>> pending_;
+  int64_t pending_bytes_ = 0;
+  std::deque<pb::IngestResponse> writes_;  // front is being written
+  bool reading_ = false;
+  bool read_closed_ = false;
+  bool applying_ = false;
+  bool writing_ = false;
+  bool failed_ = false;
+  bool finished_ = false;
+  grpc::Status final_status_;
+  grpc::Status final_for_finish_;  // handed from ApplyLoop's lock to Finish
+};
+
+grpc::ServerBidiReactor<pb::IngestRequest, pb::IngestResponse>*
+CalibrationService::Ingest(grpc::CallbackServerContext* context) {
+  return new IngestReactor(this, context);
+}
+
+}  // namespace kvcal::service

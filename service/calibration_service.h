@@ -1,0 +1,104 @@
+// The kvcal.v1.Calibration gRPC service (callback API). Handlers stay thin:
+// authenticate, convert the request (proto_convert.h), call the session
+// registry or a session, convert back. Work that touches the statistics
+// backend runs on an Executor, never inside a gRPC reaction.
+//
+//   CalibrationService service(options);
+//   builder.RegisterService(&service);
+#ifndef KVCAL_SERVICE_CALIBRATION_SERVICE_H_
+#define KVCAL_SERVICE_CALIBRATION_SERVICE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "kvcal/v1/calibration.grpc.pb.h"
+#include "service/auth.h"
+#include "service/executor.h"
+#include "service/metrics.h"
+#include "service/session_registry.h"
+
+namespace kvcal::service {
+
+struct ServiceOptions {
+  RegistryOptions registry;
+  // Without a value every RPC is allowed.
+  std::optional<TokenAuthenticator> auth;
+  // Threads applying chunks and running Finalize/Export/Import.
+  int executor_threads = 4;
+  // Bytes of received, not yet applied chunks across all streams above which
+  // streams stop reading (each stream may still hold one chunk).
+  uint64_t max_inflight_bytes = 256ull << 20;
+  // Chunks one stream may hold received but not applied.
+  int max_pending_per_stream = 4;
+};
+
+class CalibrationService final
+    : public kvcal::v1::Calibration::CallbackService {
+ public:
+  explicit CalibrationService(ServiceOptions options);
+  ~CalibrationService() override;
+
+  SessionRegistry& registry() { return registry_; }
+  Metrics& metrics() { return metrics_; }
+
+  grpc::ServerUnaryReactor* CreateSession(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::CreateSessionRequest* request,
+      kvcal::v1::Session* response) override;
+  grpc::ServerUnaryReactor* GetSession(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::GetSessionRequest* request,
+      kvcal::v1::Session* response) override;
+  grpc::ServerUnaryReactor* ListSessions(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::ListSessionsRequest* request,
+      kvcal::v1::ListSessionsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteSession(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::DeleteSessionRequest* request,
+      kvcal::v1::DeleteSessionResponse* response) override;
+  grpc::ServerBidiReactor<kvcal::v1::IngestRequest, kvcal::v1::IngestResponse>*
+  Ingest(grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* Finalize(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::FinalizeRequest* request,
+      kvcal::v1::FinalizeResponse* response) override;
+  grpc::ServerUnaryReactor* ExportState(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::ExportStateRequest* request,
+      kvcal::v1::SessionState* response) override;
+  grpc::ServerUnaryReactor* ImportState(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::ImportStateRequest* request,
+      kvcal::v1::Session* response) override;
+
+ private:
+  friend class IngestReactor;
+
+  absl::Status Authorize(grpc::CallbackServerContext* context) const;
+  // Runs `body` (inline or on the executor), records latency and rejects,
+  // and finishes the reactor with its status.
+  template <typename Body>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context,
+                                  const char* method, bool offload, Body body);
+  // Applies one chunk; the response or the status that ends the stream.
+  absl::StatusOr<kvcal::v1::IngestResponse> ApplyChunk(
+      const kvcal::v1::IngestRequest& request);
+
+  // In-flight accounting shared by all Ingest streams.
+  void AddInflight(int64_t delta);
+  bool InflightBelowLimit() const;
+
+  ServiceOptions options_;
+  SessionRegistry registry_;
+  Metrics metrics_;
+  std::atomic<int64_t> inflight_bytes_{0};
+  std::atomic<int64_t> last_backpressure_log_{0};
+  Executor executor_;
+};
+
+}  // namespace kvcal::service
+
+#endif  // KVCAL_SERVICE_CALIBRATION_SERVICE_H_

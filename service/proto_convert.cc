@@ -1,0 +1,195 @@
+#include "service/proto_convert.h"
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+
+namespace kvcal::service {
+namespace {
+
+absl::StatusOr<uint32_t> RoleMaskFromProto(
+    const google::protobuf::RepeatedField<int>& roles) {
+  if (roles.empty()) return 0b111u;
+  uint32_t mask = 0;
+  for (int role : roles) {
+    if (role < kvcal::v1::ROLE_Q || role > kvcal::v1::ROLE_V) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("roles contains ", role,
+                       (role == 0 ? " (ROLE_UNSPECIFIED)" : " (unknown)"),
+                       "; use ROLE_Q, ROLE_K or ROLE_V"));
+    }
+    mask |= 1u << RoleIndex(static_cast<Role>(role));
+  }
+  return mask;
+}
+
+void RolesToProto(const Geometry& geometry,
+                  google::protobuf::RepeatedField<int>* out) {
+  for (Role role : geometry.roles()) out->Add(static_cast<int>(role));
+}
+
+}  // namespace
+
+absl::StatusOr<Geometry> GeometryFromProto(
+    const kvcal::v1::CreateSessionRequest& request) {
+  Geometry g;
+  g.num_layers = request.num_layers();
+  g.num_attention_heads = request.num_attention_heads();
+  g.num_key_value_heads = request.num_key_value_heads();
+  g.head_dim = request.head_dim();
+  g.bins_per_octave = request.histogram_bins_per_octave();
+  KVCAL_ASSIGN_OR_RETURN(g.role_mask, RoleMaskFromProto(request.roles()));
+  return g;
+}
+
+ChunkView ChunkFromProto(const kvcal::v1::IngestRequest& request) {
+  ChunkView chunk;
+  chunk.layer = request.layer();
+  chunk.role = static_cast<Role>(request.role());
+  chunk.dtype = static_cast<DType>(request.dtype());
+  chunk.layout = static_cast<Layout>(request.layout());
+  chunk.shape.assign(request.shape().begin(), request.shape().end());
+  chunk.head_offset = request.head_offset();
+  chunk.batch = request.batch();
+  chunk.data = absl::Span<const std::byte>(
+      reinterpret_cast<const std::byte*>(request.data().data()),
+      request.data().size());
+  return chunk;
+}
+
+absl::StatusOr<ScaleOptions> ScaleOptionsFromProto(
+    const kvcal::v1::FinalizeRequest& request) {
+  ScaleOptions options;
+  if (request.observer() != kvcal::v1::OBSERVER_UNSPECIFIED) {
+    options.observer = static_cast<Observer>(request.observer());
+  }
+  if (request.granularity() != kvcal::v1::GRANULARITY_UNSPECIFIED) {
+    options.granularity = static_cast<Granularity>(request.granularity());
+  }
+  if (request.format() != kvcal::v1::FORMAT_UNSPECIFIED) {
+    options.format = static_cast<Format>(request.format());
+  }
+  if (request.averaging_constant() != 0.0f) {
+    options.averaging_constant = request.averaging_constant();
+  }
+  if (request.percentile() != 0.0) options.percentile = request.percentile();
+  if (request.margin() != 0.0f) options.margin = request.margin();
+  if (request.mse_grid() != 0) options.mse_grid = request.mse_grid();
+  if (request.mse_max_shrink() != 0.0f) {
+    options.mse_max_shrink = request.mse_max_shrink();
+  }
+  if (request.mse_norm() != 0.0f) options.mse_norm = request.mse_norm();
+  if (request.mse_patience() != 0)
+    options.mse_patience = request.mse_patience();
+  options.q_per_kv_group = request.q_per_kv_group();
+  options.allow_missing = request.allow_missing();
+  options.layers.assign(request.layers().begin(), request.layers().end());
+  KVCAL_RETURN_IF_ERROR(options.Validate());
+  return options;
+}
+
+void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out) {
+  out->set_session_id(info.session_id);
+  out->set_num_layers(info.geometry.num_layers);
+  out->set_num_attention_heads(info.geometry.num_attention_heads);
+  out->set_num_key_value_heads(info.geometry.num_key_value_heads);
+  out->set_head_dim(info.geometry.head_dim);
+  out->set_histogram_bins_per_octave(info.geometry.bins_per_octave);
+  RolesToProto(info.geometry, out->mutable_roles());
+  out->set_chunks_applied(info.counters.chunks_applied);
+  out->set_values_ingested(info.counters.values_ingested);
+  out->set_bytes_ingested(info.counters.bytes_ingested);
+  out->set_nonfinite_values(info.counters.nonfinite_values);
+  for (const ProducerInfo& p : info.producers) {
+    kvcal::v1::ProducerWatermark* w = out->add_producers();
+    w->set_producer_id(p.producer_id);
+    w->set_sequence(p.watermark);
+    w->set_durable_sequence(p.durable_watermark);
+  }
+  out->set_backend(info.backend);
+  out->set_state_bytes(info.state_bytes);
+}
+
+void ScaleResultToProto(const ScaleResult& result,
+                        kvcal::v1::FinalizeResponse* out) {
+  for (const LayerScales& layer : result.layers) {
+    kvcal::v1::LayerScales* l = out->add_layers();
+    l->set_layer(layer.layer);
+    for (Role role : kAllRoles) {
+      const std::optional<RoleScales>& scales = layer.role(role);
+      if (!scales.has_value()) continue;
+      kvcal::v1::RoleScales* r = role == Role::kQ   ? l->mutable_q()
+                                 : role == Role::kK ? l->mutable_k()
+                                                    : l->mutable_v();
+      r->mutable_scale()->Add(scales->scale.begin(), scales->scale.end());
+      r->mutable_absmax()->Add(scales->absmax.begin(), scales->absmax.end());
+      r->set_count(scales->count);
+      r->set_nonfinite(scales->nonfinite);
+    }
+  }
+}
+
+void SnapshotToProto(const std::string& session_id,
+                     const SessionSnapshot& snapshot,
+                     kvcal::v1::SessionState* out) {
+  const Geometry& g = snapshot.geometry;
+  out->set_format_version(1);
+  out->set_session_id(session_id);
+  out->set_num_layers(g.num_layers);
+  out->set_num_attention_heads(g.num_attention_heads);
+  out->set_num_key_value_heads(g.num_key_value_heads);
+  out->set_head_dim(g.head_dim);
+  out->set_histogram_bins_per_octave(g.bins_per_octave);
+  RolesToProto(g, out->mutable_roles());
+  out->set_statistics(snapshot.statistics);
+  out->set_chunks_applied(snapshot.counters.chunks_applied);
+  out->set_values_ingested(snapshot.counters.values_ingested);
+  out->set_bytes_ingested(snapshot.counters.bytes_ingested);
+  out->set_nonfinite_values(snapshot.counters.nonfinite_values);
+  for (const ProducerInfo& p : snapshot.producers) {
+    kvcal::v1::ProducerWatermark* w = out->add_producers();
+    w->set_producer_id(p.producer_id);
+    w->set_sequence(p.watermark);
+    w->set_durable_sequence(p.durable_watermark);
+  }
+  for (const std::string& id : snapshot.applied_import_ids) {
+    out->add_applied_import_ids(id);
+  }
+}
+
+absl::StatusOr<SessionSnapshot> SnapshotFromProto(
+    const kvcal::v1::SessionState& state) {
+  if (state.format_version() != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state has format_version ", state.format_version(),
+                     "; this worker reads version 1"));
+  }
+  SessionSnapshot snapshot;
+  Geometry& g = snapshot.geometry;
+  g.num_layers = state.num_layers();
+  g.num_attention_heads = state.num_attention_heads();
+  g.num_key_value_heads = state.num_key_value_heads();
+  g.head_dim = state.head_dim();
+  g.bins_per_octave = state.histogram_bins_per_octave();
+  KVCAL_ASSIGN_OR_RETURN(g.role_mask, RoleMaskFromProto(state.roles()));
+  if (absl::Status s = g.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state has invalid geometry: ", s.message()));
+  }
+  snapshot.statistics = state.statistics();
+  snapshot.counters.chunks_applied = state.chunks_applied();
+  snapshot.counters.values_ingested = state.values_ingested();
+  snapshot.counters.bytes_ingested = state.bytes_ingested();
+  snapshot.counters.nonfinite_values = state.nonfinite_values();
+  for (const kvcal::v1::ProducerWatermark& w : state.producers()) {
+    if (w.producer_id().empty()) {
+      return absl::InvalidArgumentError("state has a producer with empty id");
+    }
+    snapshot.producers.push_back(
+        {w.producer_id(), w.sequence(), w.durable_sequence()});
+  }
+  snapshot.applied_import_ids.assign(state.applied_import_ids().begin(),
+                                     state.applied_import_ids().end());
+  return snapshot;
+}
+
+}  // namespace kvcal::service

@@ -1,0 +1,206 @@
+#include "service/session.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+
+namespace kvcal::service {
+
+std::string ResolveProducerId(absl::string_view producer_id) {
+  return producer_id.empty() ? std::string("default")
+                             : std::string(producer_id);
+}
+
+Session::Session(std::string id, const Geometry& geometry,
+                 std::unique_ptr<StatisticsBackend> backend)
+    : id_(std::move(id)), geometry_(geometry), backend_(std::move(backend)) {}
+
+absl::StatusOr<std::shared_ptr<Session>> Session::Create(
+    std::string id, const Geometry& geometry, const SessionOptions& options) {
+  KVCAL_RETURN_IF_ERROR(geometry.Validate());
+  KVCAL_ASSIGN_OR_RETURN(
+      std::unique_ptr<StatisticsBackend> backend,
+      CreateBackend(options.backend, geometry, options.backend_options));
+  return std::shared_ptr<Session>(
+      new Session(std::move(id), geometry, std::move(backend)));
+}
+
+absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
+    std::string id, const SessionSnapshot& snapshot,
+    const SessionOptions& options, absl::string_view import_id) {
+  KVCAL_ASSIGN_OR_RETURN(SessionStatistics stats,
+                         SessionStatistics::Deserialize(snapshot.statistics));
+  if (!(stats.geometry() == snapshot.geometry)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state geometry {", snapshot.geometry.DebugString(),
+                     "} does not match its statistics {",
+                     stats.geometry().DebugString(), "}"));
+  }
+  KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                         Create(std::move(id), snapshot.geometry, options));
+  KVCAL_RETURN_IF_ERROR(session->backend_->Merge(stats));
+  session->chunks_applied_ = snapshot.counters.chunks_applied;
+  session->values_ingested_ = snapshot.counters.values_ingested;
+  session->bytes_ingested_ = snapshot.counters.bytes_ingested;
+  for (const ProducerInfo& info : snapshot.producers) {
+    Producer* producer = session->FindProducer(info.producer_id, true);
+    producer->watermark = info.watermark;
+    producer->durable_watermark = info.durable_watermark;
+  }
+  session->applied_import_ids_.insert(snapshot.applied_import_ids.begin(),
+                                      snapshot.applied_import_ids.end());
+  if (!import_id.empty()) {
+    session->applied_import_ids_.insert(std::string(import_id));
+  }
+  return session;
+}
+
+Session::Producer* Session::FindProducer(const std::string& producer_id,
+                                         bool create) {
+  std::lock_guard<std::mutex> lock(producers_mu_);
+  auto it = producers_.find(producer_id);
+  if (it != producers_.end()) return it->second.get();
+  if (!create) return nullptr;
+  return producers_.emplace(producer_id, std::make_unique<Producer>())
+      .first->second.get();
+}
+
+absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
+                                              uint64_t sequence,
+                                              const ChunkView& chunk) {
+  const std::string producer_name = ResolveProducerId(producer_id);
+  auto describe = [&] {
+    return absl::StrCat("chunk ", sequence, " from producer '", producer_name,
+                        "'");
+  };
+  absl::StatusOr<ChunkExtent> extent = ValidateChunk(geometry_, chunk);
+  if (!extent.ok()) {
+    return absl::Status(extent.status().code(),
+                        absl::StrCat(describe(), " (layer ", chunk.layer,
+                                     "): ", extent.status().message()));
+  }
+  std::shared_lock<std::shared_mutex> state_lock(state_mu_);
+  if (sequence == 0) return IngestOutcome{false, 0};  // never registers
+  Producer* producer = FindProducer(producer_name, false);
+  if (producer == nullptr) {
+    if (sequence != 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          describe(), ": sequence gap, expected sequence 1 (watermark 0)"));
+    }
+    producer = FindProducer(producer_name, true);
+  }
+  std::lock_guard<std::mutex> lock(producer->mu);
+  if (sequence <= producer->watermark) {
+    return IngestOutcome{false, producer->watermark};
+  }
+  if (sequence != producer->watermark + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        describe(), ": sequence gap, expected sequence ",
+        producer->watermark + 1, " (watermark ", producer->watermark, ")"));
+  }
+  if (absl::Status status = backend_->Accumulate(chunk); !status.ok()) {
+    return absl::Status(status.code(),
+                        absl::StrCat(describe(), ": ", status.message()));
+  }
+  producer->watermark = sequence;
+  chunks_applied_.fetch_add(1, std::memory_order_relaxed);
+  values_ingested_.fetch_add(extent->elements(), std::memory_order_relaxed);
+  bytes_ingested_.fetch_add(chunk.data.size(), std::memory_order_relaxed);
+  return IngestOutcome{true, sequence};
+}
+
+std::vector<ProducerInfo> Session::ProducerInfos() {
+  std::vector<ProducerInfo> out;
+  std::lock_guard<std::mutex> map_lock(producers_mu_);
+  for (auto& [name, producer] : producers_) {
+    std::lock_guard<std::mutex> lock(producer->mu);
+    out.push_back({name, producer->watermark, producer->durable_watermark});
+  }
+  return out;  // std::map: sorted by id
+}
+
+absl::StatusOr<SessionInfo> Session::Info() {
+  SessionInfo info;
+  info.session_id = id_;
+  info.geometry = geometry_;
+  info.backend = std::string(backend_->name());
+  info.state_bytes = backend_->StateBytes();
+  info.producers = ProducerInfos();
+  info.counters.chunks_applied = chunks_applied_.load();
+  info.counters.values_ingested = values_ingested_.load();
+  info.counters.bytes_ingested = bytes_ingested_.load();
+  const uint64_t generation = generation_.load();
+  std::lock_guard<std::mutex> lock(info_mu_);
+  if (nonfinite_cache_chunks_ != info.counters.chunks_applied ||
+      nonfinite_cache_generation_ != generation) {
+    KVCAL_ASSIGN_OR_RETURN(SessionStatistics stats, backend_->Snapshot());
+    nonfinite_cache_ = stats.nonfinite_values();
+    nonfinite_cache_chunks_ = info.counters.chunks_applied;
+    nonfinite_cache_generation_ = generation;
+  }
+  info.counters.nonfinite_values = nonfinite_cache_;
+  return info;
+}
+
+absl::StatusOr<ScaleResult> Session::Finalize(const ScaleOptions& options) {
+  KVCAL_ASSIGN_OR_RETURN(SessionStatistics stats, backend_->Snapshot());
+  return ComputeScales(stats, options);
+}
+
+absl::StatusOr<SessionSnapshot> Session::Export() {
+  std::unique_lock<std::shared_mutex> state_lock(state_mu_);
+  KVCAL_ASSIGN_OR_RETURN(SessionStatistics stats, backend_->Snapshot());
+  SessionSnapshot snapshot;
+  snapshot.geometry = geometry_;
+  snapshot.statistics = stats.Serialize();
+  snapshot.counters.chunks_applied = chunks_applied_.load();
+  snapshot.counters.values_ingested = values_ingested_.load();
+  snapshot.counters.bytes_ingested = bytes_ingested_.load();
+  snapshot.counters.nonfinite_values = stats.nonfinite_values();
+  snapshot.producers = ProducerInfos();
+  snapshot.applied_import_ids.assign(applied_import_ids_.begin(),
+                                     applied_import_ids_.end());
+  return snapshot;
+}
+
+absl::Status Session::Merge(const SessionSnapshot& snapshot,
+                            absl::string_view import_id) {
+  if (!(snapshot.geometry == geometry_)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot import state of geometry {",
+                     snapshot.geometry.DebugString(), "} into session '", id_,
+                     "' of geometry {", geometry_.DebugString(), "}"));
+  }
+  // Parse before taking any lock or changing anything.
+  KVCAL_ASSIGN_OR_RETURN(SessionStatistics stats,
+                         SessionStatistics::Deserialize(snapshot.statistics));
+  if (!(stats.geometry() == geometry_)) {
+    return absl::InvalidArgumentError(
+        "state statistics do not match the state's geometry");
+  }
+  std::unique_lock<std::shared_mutex> state_lock(state_mu_);
+  if (!import_id.empty() &&
+      applied_import_ids_.count(std::string(import_id)) > 0) {
+    return absl::OkStatus();  // a retried import: already applied
+  }
+  KVCAL_RETURN_IF_ERROR(backend_->Merge(stats));
+  chunks_applied_ += snapshot.counters.chunks_applied;
+  values_ingested_ += snapshot.counters.values_ingested;
+  bytes_ingested_ += snapshot.counters.bytes_ingested;
+  for (const ProducerInfo& info : snapshot.producers) {
+    Producer* producer = FindProducer(info.producer_id, true);
+    std::lock_guard<std::mutex> lock(producer->mu);
+    producer->watermark = std::max(producer->watermark, info.watermark);
+    producer->durable_watermark =
+        std::max(producer->durable_watermark, info.durable_watermark);
+  }
+  applied_import_ids_.insert(snapshot.applied_import_ids.begin(),
+                             snapshot.applied_import_ids.end());
+  if (!import_id.empty()) applied_import_ids_.insert(std::string(import_id));
+  generation_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+}  // namespace kvcal::service

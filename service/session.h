@@ -1,0 +1,152 @@
+// One calibration session: its statistics backend, producer watermarks
+// (exactly-once ingest) and counters. Free of gRPC types: handlers convert
+// proto messages to these types in proto_convert.h and call in here.
+//
+//   KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+//                          Session::Create("run-1", geometry, options));
+//   KVCAL_ASSIGN_OR_RETURN(IngestOutcome outcome,
+//                          session->Ingest("rank0", /*sequence=*/1, chunk));
+//   KVCAL_ASSIGN_OR_RETURN(ScaleResult scales,
+//   session->Finalize(scale_options));
+#ifndef KVCAL_SERVICE_SESSION_H_
+#define KVCAL_SERVICE_SESSION_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/backend.h"
+#include "kernels/scale_math.h"
+
+namespace kvcal::service {
+
+struct SessionOptions {
+  BackendKind backend = BackendKind::kAuto;
+  BackendOptions backend_options;
+};
+
+struct ProducerInfo {
+  std::string producer_id;
+  uint64_t watermark = 0;
+  uint64_t durable_watermark = 0;
+  friend bool operator==(const ProducerInfo&, const ProducerInfo&) = default;
+};
+
+struct SessionCounters {
+  uint64_t chunks_applied = 0;
+  uint64_t values_ingested = 0;
+  uint64_t bytes_ingested = 0;
+  uint64_t nonfinite_values = 0;
+};
+
+struct SessionInfo {
+  std::string session_id;
+  Geometry geometry;
+  SessionCounters counters;
+  std::vector<ProducerInfo> producers;  // sorted by producer_id
+  std::string backend;
+  uint64_t state_bytes = 0;
+};
+
+// Everything needed to recreate or merge a session (CONTRACT.md "State").
+struct SessionSnapshot {
+  Geometry geometry;
+  std::string statistics;  // SessionStatistics::Serialize()
+  SessionCounters counters;
+  std::vector<ProducerInfo> producers;
+  std::vector<std::string> applied_import_ids;
+};
+
+struct IngestOutcome {
+  bool applied = false;
+  uint64_t watermark = 0;
+};
+
+// "default" for an empty producer id.
+std::string ResolveProducerId(absl::string_view producer_id);
+
+class Session {
+ public:
+  static absl::StatusOr<std::shared_ptr<Session>> Create(
+      std::string id, const Geometry& geometry, const SessionOptions& options);
+
+  // Creates a session from an exported state, restoring statistics, counters,
+  // watermarks and applied import ids exactly; `import_id`, if non-empty, is
+  // recorded as applied.
+  static absl::StatusOr<std::shared_ptr<Session>> FromSnapshot(
+      std::string id, const SessionSnapshot& snapshot,
+      const SessionOptions& options, absl::string_view import_id);
+
+  const std::string& id() const { return id_; }
+  const Geometry& geometry() const { return geometry_; }
+
+  // Exactly-once ingest of one chunk (CONTRACT.md "Ingest"): the chunk is
+  // validated first (InvalidArgument), then its sequence: <= watermark is a
+  // duplicate (applied = false), watermark + 1 is applied, beyond is
+  // FailedPrecondition naming the expected sequence. Errors name the
+  // sequence and producer. Nothing of a rejected chunk is applied.
+  absl::StatusOr<IngestOutcome> Ingest(absl::string_view producer_id,
+                                       uint64_t sequence,
+                                       const ChunkView& chunk);
+
+  absl::StatusOr<SessionInfo> Info();
+  absl::StatusOr<ScaleResult> Finalize(const ScaleOptions& options);
+  absl::StatusOr<SessionSnapshot> Export();
+
+  // Merges an exported state (same geometry, else InvalidArgument and nothing
+  // changes). With a non-empty import_id that this session already applied,
+  // nothing changes. Statistics merge, counters add, each producer's
+  // watermark becomes the larger of the two.
+  absl::Status Merge(const SessionSnapshot& snapshot,
+                     absl::string_view import_id);
+
+  // Bytes of statistics state held.
+  uint64_t state_bytes() const { return backend_->StateBytes(); }
+
+ private:
+  struct Producer {
+    std::mutex mu;  // held while a chunk of this producer is applied
+    uint64_t watermark = 0;
+    uint64_t durable_watermark = 0;
+  };
+
+  Session(std::string id, const Geometry& geometry,
+          std::unique_ptr<StatisticsBackend> backend);
+  Producer* FindProducer(const std::string& producer_id, bool create);
+  std::vector<ProducerInfo> ProducerInfos();
+
+  const std::string id_;
+  const Geometry geometry_;
+  std::unique_ptr<StatisticsBackend> backend_;
+
+  // Shared by Ingest; exclusive for Export/Merge, so that a snapshot's
+  // statistics and watermarks agree.
+  std::shared_mutex state_mu_;
+
+  std::mutex producers_mu_;  // guards the map, not the producers
+  std::map<std::string, std::unique_ptr<Producer>> producers_;
+
+  std::atomic<uint64_t> chunks_applied_{0};
+  std::atomic<uint64_t> values_ingested_{0};
+  std::atomic<uint64_t> bytes_ingested_{0};
+  std::set<std::string> applied_import_ids_;  // guarded by state_mu_
+  // nonfinite_values is read from a backend snapshot, cached until the next
+  // applied chunk or merge.
+  std::mutex info_mu_;
+  uint64_t nonfinite_cache_ = 0;
+  uint64_t nonfinite_cache_chunks_ = UINT64_MAX;
+  uint64_t nonfinite_cache_generation_ = 0;
+  std::atomic<uint64_t> generation_{0};  // bumped by Merge
+};
+
+}  // namespace kvcal::service
+
+#endif  // KVCAL_SERVICE_SESSION_H_

@@ -1,0 +1,153 @@
+#include "service/session_registry.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/status_macros.h"
+
+namespace kvcal::service {
+
+absl::Status ValidateSessionId(absl::string_view id, bool allow_empty) {
+  if (id.empty()) {
+    if (allow_empty) return absl::OkStatus();
+    return absl::InvalidArgumentError("session_id is empty");
+  }
+  if (id.size() > 128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session_id is ", id.size(), " characters long; at most 128"));
+  }
+  for (char c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "session_id contains character 0x%02x; allowed: A-Z a-z 0-9 . _ -",
+          static_cast<unsigned char>(c)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+SessionRegistry::SessionRegistry(RegistryOptions options)
+    : options_(std::move(options)) {}
+
+std::string SessionRegistry::NewSessionId() {
+  static thread_local std::mt19937_64 rng(std::random_device{}());
+  for (;;) {
+    std::string id = absl::StrFormat("s-%016x", rng());
+    if (sessions_.find(id) == sessions_.end()) return id;
+  }
+}
+
+absl::Status SessionRegistry::CheckLimits(const Geometry& geometry) {
+  if (options_.max_sessions != 0 && sessions_.size() >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the worker holds its maximum of ", options_.max_sessions,
+                     " sessions (--max-sessions); delete one first"));
+  }
+  const uint64_t need = EstimateStateBytes(geometry);
+  if (options_.memory_budget_bytes != 0 &&
+      state_bytes_ + need > options_.memory_budget_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a session of geometry {", geometry.DebugString(),
+                     "} needs ", need, " bytes of state; ", state_bytes_,
+                     " of the ", options_.memory_budget_bytes,
+                     " byte budget (--memory-budget-bytes) are in use"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
+    absl::string_view id, const Geometry& geometry) {
+  KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/true));
+  KVCAL_RETURN_IF_ERROR(geometry.Validate());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!id.empty()) {
+    auto it = sessions_.find(id);
+    if (it != sessions_.end()) {
+      if (it->second->geometry() == geometry) return it->second;
+      return absl::AlreadyExistsError(
+          absl::StrCat("session '", id, "' exists with different parameters {",
+                       it->second->geometry().DebugString(), "}; requested {",
+                       geometry.DebugString(), "}"));
+    }
+  }
+  KVCAL_RETURN_IF_ERROR(CheckLimits(geometry));
+  std::string new_id = id.empty() ? NewSessionId() : std::string(id);
+  KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                         Session::Create(new_id, geometry, options_.session));
+  state_bytes_ += session->state_bytes();
+  sessions_.emplace(std::move(new_id), session);
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Get(
+    absl::string_view id) {
+  KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/false));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
+  }
+  return it->second;
+}
+
+std::vector<std::shared_ptr<Session>> SessionRegistry::List() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  out.reserve(sessions_.size());
+  for (const auto& [id, session] : sessions_) out.push_back(session);
+  return out;
+}
+
+absl::Status SessionRegistry::Delete(absl::string_view id) {
+  KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/false));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
+  }
+  state_bytes_ -= it->second->state_bytes();
+  sessions_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Import(
+    absl::string_view id, const SessionSnapshot& snapshot,
+    absl::string_view import_id) {
+  KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/false));
+  if (absl::Status s = snapshot.geometry.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state has invalid geometry: ", s.message()));
+  }
+  std::shared_ptr<Session> existing;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) {
+      KVCAL_RETURN_IF_ERROR(CheckLimits(snapshot.geometry));
+      absl::StatusOr<std::shared_ptr<Session>> created = Session::FromSnapshot(
+          std::string(id), snapshot, options_.session, import_id);
+      if (!created.ok()) return created.status();
+      state_bytes_ += (*created)->state_bytes();
+      sessions_.emplace(std::string(id), *created);
+      return *created;
+    }
+    existing = it->second;
+  }
+  KVCAL_RETURN_IF_ERROR(existing->Merge(snapshot, import_id));
+  return existing;
+}
+
+size_t SessionRegistry::size() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sessions_.size();
+}
+
+uint64_t SessionRegistry::state_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_bytes_;
+}
+
+}  // namespace kvcal::service

@@ -1,0 +1,156 @@
+#include "service/worker.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/status_macros.h"
+#include "service/log.h"
+
+namespace kvcal::service {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path,
+                                     absl::string_view flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": cannot read ", path));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(
+    const WorkerOptions& options) {
+  if (options.tls_cert.empty() && options.tls_key.empty()) {
+    if (!options.tls_client_ca.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls-client-ca needs --tls-cert and --tls-key");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  if (options.tls_cert.empty() || options.tls_key.empty()) {
+    return absl::InvalidArgumentError(
+        "TLS needs both --tls-cert and --tls-key");
+  }
+  grpc::SslServerCredentialsOptions ssl;
+  KVCAL_ASSIGN_OR_RETURN(std::string cert,
+                         ReadFile(options.tls_cert, "--tls-cert"));
+  KVCAL_ASSIGN_OR_RETURN(std::string key,
+                         ReadFile(options.tls_key, "--tls-key"));
+  ssl.pem_key_cert_pairs.push_back({key, cert});
+  if (!options.tls_client_ca.empty()) {
+    KVCAL_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                           ReadFile(options.tls_client_ca, "--tls-client-ca"));
+    ssl.client_certificate_request =
+        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
+    const WorkerOptions& options) {
+  std::unique_ptr<Worker> worker(new Worker());
+  ServiceOptions service_options;
+  service_options.registry.session.backend = options.backend;
+  service_options.registry.session.backend_options.device = options.device;
+  service_options.registry.max_sessions = options.max_sessions;
+  service_options.registry.memory_budget_bytes = options.memory_budget_bytes;
+  service_options.executor_threads =
+      options.executor_threads > 0
+          ? options.executor_threads
+          : std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
+  service_options.max_inflight_bytes = options.max_inflight_bytes;
+  if (!options.auth_token_file.empty()) {
+    KVCAL_ASSIGN_OR_RETURN(service_options.auth, TokenAuthenticator::FromFile(
+                                                     options.auth_token_file));
+  }
+
+  switch (options.backend) {
+    case BackendKind::kCpu:
+      worker->backend_name_ = "cpu";
+      break;
+    case BackendKind::kCuda:
+      if (CudaDeviceCount() <= options.device) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("--backend cuda: no CUDA device ", options.device,
+                         " (", CudaDeviceDescription(options.device), ")"));
+      }
+      worker->backend_name_ = "cuda";
+      break;
+    case BackendKind::kAuto:
+      worker->backend_name_ = CudaDeviceCount() > 0 ? "cuda" : "cpu";
+      break;
+  }
+  if (worker->backend_name_ == "cuda") {
+    KVCAL_LOG(INFO) << "backend: cuda on "
+                    << CudaDeviceDescription(options.device);
+  } else {
+    KVCAL_LOG(INFO) << "backend: cpu ("
+                    << (CudaBackendCompiled() ? "no CUDA device present"
+                                              : "built without CUDA")
+                    << ")";
+  }
+
+  worker->service_ = std::make_unique<CalibrationService>(service_options);
+  KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                         Credentials(options));
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, credentials, &worker->port_);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  builder.RegisterService(worker->service_.get());
+  worker->server_ = builder.BuildAndStart();
+  if (worker->server_ == nullptr || worker->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.listen));
+  }
+  if (!options.metrics_listen.empty()) {
+    worker->metrics_http_ =
+        std::make_unique<MetricsHttpServer>(&worker->service_->metrics());
+    KVCAL_RETURN_IF_ERROR(worker->metrics_http_->Start(options.metrics_listen));
+    KVCAL_LOG(INFO) << "metrics on " << options.metrics_listen << " (port "
+                    << worker->metrics_http_->port() << ") at /metrics";
+  }
+  grpc::HealthCheckServiceInterface* health =
+      worker->server_->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus("kvcal.v1.Calibration", true);
+  KVCAL_LOG(INFO) << "serving kvcal.v1.Calibration on " << options.listen
+                  << " (port " << worker->port_ << ")"
+                  << (service_options.auth ? ", bearer tokens required" : "")
+                  << (options.tls_cert.empty() ? "" : ", TLS")
+                  << (options.tls_client_ca.empty() ? ""
+                                                    : " with client certs");
+  return worker;
+}
+
+void Worker::Shutdown(std::chrono::milliseconds grace) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  health->SetServingStatus(false);
+  server_->Shutdown(std::chrono::system_clock::now() + grace);
+  server_->Wait();
+  if (metrics_http_) metrics_http_->Stop();
+}
+
+Worker::~Worker() {
+  if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
+}
+
+}  // namespace kvcal::service

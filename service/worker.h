@@ -1,0 +1,69 @@
+// A running kvcal worker: the gRPC server with the Calibration service, the
+// standard health service, server reflection, and optional metrics endpoint.
+// kvcal-worker's main() is a thin flag parser around this; benchmarks start
+// one in-process.
+//
+//   WorkerOptions options;
+//   options.listen = "127.0.0.1:0";
+//   KVCAL_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker,
+//   Worker::Start(options)); std::cout << worker->port();
+//   worker->Shutdown(absl::Seconds(10));
+#ifndef KVCAL_SERVICE_WORKER_H_
+#define KVCAL_SERVICE_WORKER_H_
+
+#include <grpcpp/server.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "service/calibration_service.h"
+
+namespace kvcal::service {
+
+struct WorkerOptions {
+  std::string listen = "127.0.0.1:50051";
+  BackendKind backend = BackendKind::kAuto;
+  int device = 0;
+  int max_message_bytes = 64 << 20;
+  uint64_t max_sessions = 0;
+  uint64_t memory_budget_bytes = 0;
+  std::string auth_token_file;
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+  std::string metrics_listen;
+  int executor_threads = 0;  // 0 = hardware concurrency
+  uint64_t max_inflight_bytes = 256ull << 20;
+};
+
+class Worker {
+ public:
+  static absl::StatusOr<std::unique_ptr<Worker>> Start(
+      const WorkerOptions& options);
+  ~Worker();
+
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_http_ ? metrics_http_->port() : 0; }
+  // "cpu" or "cuda": what BackendKind::kAuto resolved to.
+  const std::string& backend_name() const { return backend_name_; }
+  CalibrationService& service() { return *service_; }
+
+  // Stops accepting RPCs, marks health NOT_SERVING, lets in-flight RPCs end
+  // within `grace` (then cancels them), and finishes queued chunk work.
+  void Shutdown(std::chrono::milliseconds grace);
+
+ private:
+  Worker() = default;
+  std::unique_ptr<CalibrationService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
+  std::string backend_name_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+}  // namespace kvcal::service
+
+#endif  // KVCAL_SERVICE_WORKER_H_

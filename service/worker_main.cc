@@ -1,0 +1,110 @@
+// kvcal-worker: the calibration worker process.
+//
+//   kvcal-worker --listen 127.0.0.1:50051 --backend auto
+//
+// SIGTERM or SIGINT: stop accepting, finish in-flight chunks, exit 0.
+#include <pthread.h>
+
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "service/log.h"
+#include "service/worker.h"
+
+namespace {
+
+// Writes the bound port to `path` atomically (temp file + rename), so that a
+// reader never sees a partial number.
+bool WritePortFile(const std::string& path, int port) {
+  const std::string temp = path + ".tmp";
+  {
+    std::ofstream out(temp, std::ios::trunc);
+    if (!out) return false;
+    out << port << "\n";
+    if (!out.flush()) return false;
+  }
+  return std::rename(temp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  kvcal::service::WorkerOptions options;
+  std::string backend = "auto";
+  std::string port_file;
+  int shutdown_grace_ms = 10000;
+
+  CLI::App app{"kvcal-worker: gRPC calibration worker (kvcal.v1.Calibration)"};
+  app.add_option("--listen", options.listen,
+                 "host:port to serve on (port 0 picks one)")
+      ->capture_default_str();
+  app.add_option("--backend", backend, "statistics backend: auto, cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--device", options.device, "CUDA device ordinal")
+      ->capture_default_str();
+  app.add_option("--max-message-bytes", options.max_message_bytes,
+                 "largest gRPC message accepted")
+      ->check(CLI::Range(1 << 16, 1 << 30))
+      ->capture_default_str();
+  app.add_option("--max-sessions", options.max_sessions, "0 = unlimited")
+      ->capture_default_str();
+  app.add_option("--memory-budget-bytes", options.memory_budget_bytes,
+                 "statistics memory for all sessions; 0 = unlimited")
+      ->capture_default_str();
+  app.add_option("--max-inflight-bytes", options.max_inflight_bytes,
+                 "received but not yet applied chunk bytes before reads pause")
+      ->capture_default_str();
+  app.add_option("--executor-threads", options.executor_threads,
+                 "threads applying chunks; 0 = one per core")
+      ->capture_default_str();
+  app.add_option("--auth-token-file", options.auth_token_file,
+                 "file of 'tenant:token' or 'token' lines; RPCs then need "
+                 "'authorization: Bearer <token>'");
+  app.add_option("--tls-cert", options.tls_cert,
+                 "PEM server certificate chain");
+  app.add_option("--tls-key", options.tls_key, "PEM server private key");
+  app.add_option("--tls-client-ca", options.tls_client_ca,
+                 "PEM CA for client certificates (mutual TLS)");
+  app.add_option("--metrics-listen", options.metrics_listen,
+                 "host:port for Prometheus /metrics (off when empty)");
+  app.add_option("--port-file", port_file,
+                 "write the bound port here once serving");
+  app.add_option("--shutdown-grace-ms", shutdown_grace_ms,
+                 "how long in-flight RPCs may run after SIGTERM")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto kind = kvcal::ParseBackendKind(backend);
+  options.backend = *kind;
+
+  // Block the stop signals in every thread; main waits for them below.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  auto worker = kvcal::service::Worker::Start(options);
+  if (!worker.ok()) {
+    std::cerr << "kvcal-worker: " << worker.status().message() << "\n";
+    return 1;
+  }
+  if (!port_file.empty() && !WritePortFile(port_file, (*worker)->port())) {
+    std::cerr << "kvcal-worker: cannot write --port-file " << port_file << "\n";
+    return 1;
+  }
+  int signal = 0;
+  sigwait(&signals, &signal);
+  KVCAL_LOG(INFO) << "received " << (signal == SIGTERM ? "SIGTERM" : "SIGINT")
+                  << "; draining (grace " << shutdown_grace_ms << " ms)";
+  (*worker)->Shutdown(std::chrono::milliseconds(shutdown_grace_ms));
+  worker->reset();
+  KVCAL_LOG(INFO) << "stopped";
+  return 0;
+}

@@ -1,0 +1,126 @@
+// Starts a real kvcal-worker process on a loopback port for integration
+// tests, and stops it with SIGTERM (or SIGKILL) at the end.
+//
+//   WorkerProcess worker({"--backend", "cpu"});
+//   ASSERT_TRUE(worker.ok()) << worker.error();
+//   auto stub = kvcal::v1::Calibration::NewStub(worker.Channel());
+#ifndef KVCAL_TESTS_SERVICE_WORKER_PROCESS_H_
+#define KVCAL_TESTS_SERVICE_WORKER_PROCESS_H_
+
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace kvcal::testing {
+
+class WorkerProcess {
+ public:
+  explicit WorkerProcess(std::vector<std::string> extra_args = {}) {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("kvcal-worker-test-" + std::to_string(getpid()) + "-" +
+            std::to_string(counter_++));
+    std::filesystem::create_directories(dir_);
+    const std::string port_file = (dir_ / "port").string();
+    const std::string log_file = (dir_ / "worker.log").string();
+    std::vector<std::string> args = {KVCAL_WORKER_PATH, "--listen",
+                                     "127.0.0.1:0", "--port-file", port_file};
+    if (std::find(extra_args.begin(), extra_args.end(), "--backend") ==
+        extra_args.end()) {
+      args.push_back("--backend");
+      args.push_back("cpu");
+    }
+    args.insert(args.end(), extra_args.begin(), extra_args.end());
+    pid_ = fork();
+    if (pid_ == 0) {
+      FILE* log = std::freopen(log_file.c_str(), "w", stderr);
+      (void)log;
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::ifstream in(port_file);
+      if (in >> port_ && port_ > 0) return;
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        error_ = "worker exited during start-up: " + ReadLog();
+        pid_ = -1;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    error_ = "worker did not write its port file in time: " + ReadLog();
+  }
+
+  ~WorkerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+
+  bool ok() const { return error_.empty() && port_ > 0; }
+  const std::string& error() const { return error_; }
+  int port() const { return port_; }
+  pid_t pid() const { return pid_; }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  const std::filesystem::path& dir() const { return dir_; }
+  std::string ReadLog() const {
+    std::ifstream in(dir_ / "worker.log");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+
+  std::shared_ptr<grpc::Channel> Channel(
+      std::shared_ptr<grpc::ChannelCredentials> credentials =
+          grpc::InsecureChannelCredentials()) const {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(256 << 20);
+    args.SetMaxSendMessageSize(256 << 20);
+    return grpc::CreateCustomChannel(address(), credentials, args);
+  }
+
+  // Sends `sig` and waits up to `timeout` for the exit; returns the exit
+  // status as waitpid reports it, or -1 on timeout.
+  int SignalAndWait(int sig, std::chrono::seconds timeout) {
+    if (pid_ <= 0) return -1;
+    kill(pid_, sig);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return status;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return -1;
+  }
+
+ private:
+  static inline int counter_ = 0;
+  std::filesystem::path dir_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string error_;
+};
+
+}  // namespace kvcal::testing
+
+#endif  // KVCAL_TESTS_SERVICE_WORKER_PROCESS_H_
