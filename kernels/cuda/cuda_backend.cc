@@ -145,10 +145,30 @@ class CudaBackend final : public CudaStatisticsBackend {
   }
 
   ~CudaBackend() override {
-    // Kernels may still use the buffers; wait before they are freed.
+    // Kernels may still use the buffers: wait, then release everything while
+    // this backend's device is current (the destroying thread may have
+    // another one current).
     auto guard = DeviceGuard::Enter(device_);
     if (compute_.get() != nullptr) (void)cudaStreamSynchronize(compute_.get());
     if (copy_.get() != nullptr) (void)cudaStreamSynchronize(copy_.get());
+    pinned_ = {};
+    staged_ = {};
+    copied_ = {};
+    consumed_ = {};
+    candidates_ = {};
+    candidate_counts_ = {};
+    batch_min_key_inverted_ = {};
+    batch_max_key_ = {};
+    min_key_inverted_ = {};
+    max_key_ = {};
+    counts_ = {};
+    sums_ = {};
+    histogram_ = {};
+    tail_ = {};
+    tail_size_ = {};
+    tail_floor_bits_ = {};
+    copy_ = {};
+    compute_ = {};
   }
 
   absl::Status Init() {
@@ -228,7 +248,9 @@ class CudaBackend final : public CudaStatisticsBackend {
     std::lock_guard<std::mutex> lock(mu_);
     KVCAL_RETURN_IF_ERROR(CheckHealthyLocked());
     KVCAL_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Enter(device_));
-    KVCAL_RETURN_IF_ERROR(Poison(EnsureStagingLocked()));
+    // Neither of these enqueues anything, so their failure leaves the state
+    // intact.
+    KVCAL_RETURN_IF_ERROR(EnsureStagingLocked());
     KVCAL_ASSIGN_OR_RETURN(const uint32_t slot, BatchSlotLocked(chunk.batch));
     const size_t element_size = DTypeSize(chunk.dtype);
     const ElementType type = ToElementType(chunk.dtype);
@@ -469,7 +491,7 @@ class CudaBackend final : public CudaStatisticsBackend {
     auto it = batch_slots_.find(batch);
     if (it != batch_slots_.end()) return it->second;
     if (batch_slots_.size() >= batch_capacity_) {
-      KVCAL_RETURN_IF_ERROR(Poison(GrowBatchTable(2 * batch_capacity_)));
+      KVCAL_RETURN_IF_ERROR(GrowBatchTable(2 * batch_capacity_));
     }
     const uint32_t slot = static_cast<uint32_t>(batch_slots_.size());
     batch_slots_.emplace(batch, slot);
