@@ -1,0 +1,239 @@
+// Ingest throughput of kvcal-worker over loopback, next to a trivial gRPC
+// sink that receives the same messages and acknowledges each without doing
+// anything, measured in the same run. Prints GB/s for both and the ratio.
+//
+//   kvcal_bench_ingest [--chunks N] [--streams 1,4] [--bins 16] [--backend cpu]
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kvcal/v1/calibration.grpc.pb.h"
+#include "service/worker.h"
+
+namespace {
+
+namespace pb = ::kvcal::v1;
+using Clock = std::chrono::steady_clock;
+
+// Acknowledges every chunk at once: the cost of gRPC and protobuf alone.
+class SinkReactor final
+    : public grpc::ServerBidiReactor<pb::IngestRequest, pb::IngestResponse> {
+ public:
+  SinkReactor() { StartRead(&request_); }
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      std::lock_guard<std::mutex> lock(mu_);
+      read_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    pb::IngestResponse response;
+    response.set_producer_id(request_.producer_id());
+    response.set_sequence(request_.sequence());
+    response.set_applied(true);
+    response.set_watermark(request_.sequence());
+    bool write = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writes_.push_back(std::move(response));
+      write = !writing_;
+      writing_ = true;
+    }
+    if (write) StartWrite(&writes_.front());
+    StartRead(&request_);
+  }
+  void OnWriteDone(bool ok) override {
+    bool write = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writes_.pop_front();
+      writing_ = ok && !writes_.empty();
+      write = writing_;
+      if (!write) MaybeFinishLocked();
+    }
+    if (write) StartWrite(&writes_.front());
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void MaybeFinishLocked() {
+    if (read_done_ && !writing_ && !finished_) {
+      finished_ = true;
+      Finish(grpc::Status::OK);
+    }
+  }
+  pb::IngestRequest request_;
+  std::mutex mu_;
+  std::deque<pb::IngestResponse> writes_;
+  bool writing_ = false;
+  bool read_done_ = false;
+  bool finished_ = false;
+};
+
+class SinkService final : public pb::Calibration::CallbackService {
+  grpc::ServerBidiReactor<pb::IngestRequest, pb::IngestResponse>* Ingest(
+      grpc::CallbackServerContext*) override {
+    return new SinkReactor();
+  }
+};
+
+constexpr uint32_t kLayers = 32;
+constexpr uint32_t kHeads = 8;
+constexpr uint32_t kHeadDim = 128;
+constexpr uint64_t kTokens = 2048;  // 2048 x 8 x 128 bf16 = 4 MiB
+
+std::string RandomBf16(size_t values, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::string out(values * 2, '\0');
+  for (size_t i = 0; i < values; ++i) {
+    const float x = normal(rng);
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    const uint16_t bf16 = static_cast<uint16_t>(bits >> 16);
+    std::memcpy(out.data() + 2 * i, &bf16, 2);
+  }
+  return out;
+}
+
+// Streams `chunks` chunks over `streams` concurrent streams; returns seconds.
+double Run(const std::string& address, const std::string& session,
+           int streams, int chunks, const std::vector<std::string>& payloads) {
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(64 << 20);
+  args.SetMaxReceiveMessageSize(64 << 20);
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int s = 0; s < streams; ++s) {
+    threads.emplace_back([&, s] {
+      // One channel per stream, as separate producer processes would have.
+      args.SetInt("kvcal.bench.stream", s);
+      auto stub = pb::Calibration::NewStub(grpc::CreateCustomChannel(
+          address, grpc::InsecureChannelCredentials(), args));
+      grpc::ClientContext context;
+      auto stream = stub->Ingest(&context);
+      std::thread reader([&] {
+        pb::IngestResponse response;
+        while (stream->Read(&response)) {
+        }
+      });
+      const int mine = chunks / streams;
+      for (int i = 0; i < mine; ++i) {
+        pb::IngestRequest request;
+        request.set_session_id(session);
+        request.set_producer_id("bench-" + std::to_string(s));
+        request.set_sequence(static_cast<uint64_t>(i) + 1);
+        request.set_batch(static_cast<uint64_t>(i) / kLayers);
+        request.set_layer(static_cast<uint32_t>(i) % kLayers);
+        request.set_role(pb::ROLE_K);
+        request.set_dtype(pb::DTYPE_BF16);
+        request.set_layout(pb::LAYOUT_TOKENS_HEADS_DIM);
+        request.add_shape(kTokens);
+        request.add_shape(kHeads);
+        request.add_shape(kHeadDim);
+        request.set_data(payloads[static_cast<size_t>(i) % payloads.size()]);
+        if (!stream->Write(request)) break;
+      }
+      stream->WritesDone();
+      reader.join();
+      grpc::Status status = stream->Finish();
+      if (!status.ok()) {
+        std::fprintf(stderr, "stream %d failed: %s\n", s,
+                     status.error_message().c_str());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int chunks = 256;
+  uint32_t bins = 16;
+  std::vector<int> stream_counts = {1, 4};
+  std::string backend = "cpu";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    const std::string value = argv[i + 1];
+    if (flag == "--chunks") {
+      (void)absl::SimpleAtoi(value, &chunks);
+    } else if (flag == "--bins") {
+      (void)absl::SimpleAtoi(value, &bins);
+    } else if (flag == "--backend") {
+      backend = value;
+    } else if (flag == "--streams") {
+      stream_counts.clear();
+      for (absl::string_view part : absl::StrSplit(value, ',')) {
+        int n = 0;
+        if (absl::SimpleAtoi(part, &n) && n > 0) stream_counts.push_back(n);
+      }
+    }
+  }
+
+  kvcal::service::WorkerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.backend = *kvcal::ParseBackendKind(backend);
+  auto worker = kvcal::service::Worker::Start(options);
+  if (!worker.ok()) {
+    std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
+    return 1;
+  }
+  SinkService sink_service;
+  int sink_port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &sink_port);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.RegisterService(&sink_service);
+  auto sink = builder.BuildAndStart();
+
+  std::vector<std::string> payloads;
+  for (int i = 0; i < 4; ++i) {
+    payloads.push_back(RandomBf16(kTokens * kHeads * kHeadDim, 100 + i));
+  }
+  const double bytes_per_chunk = static_cast<double>(payloads[0].size());
+  const std::string worker_address =
+      "127.0.0.1:" + std::to_string((*worker)->port());
+  const std::string sink_address = "127.0.0.1:" + std::to_string(sink_port);
+
+  std::printf("kvcal ingest benchmark: %d chunks of %.0f MiB bf16 per run, "
+              "backend %s, %u bins/octave, %u hardware threads\n",
+              chunks, bytes_per_chunk / (1 << 20), backend.c_str(), bins,
+              std::thread::hardware_concurrency());
+  std::printf("%-8s %14s %14s %8s\n", "streams", "worker GB/s", "sink GB/s",
+              "ratio");
+  int run = 0;
+  for (int streams : stream_counts) {
+    // A fresh session per run so every chunk is applied, not a duplicate.
+    const std::string session = "bench-" + std::to_string(run++);
+    kvcal::Geometry geometry{kLayers, kHeads, kHeads, kHeadDim, bins, 0b111};
+    if (!(*worker)->service().registry().Create(session, geometry).ok()) {
+      std::fprintf(stderr, "cannot create session\n");
+      return 1;
+    }
+    const int total = (chunks / streams) * streams;
+    // Warm-up on both, then the measured runs.
+    Run(sink_address, session, streams, streams * 2, payloads);
+    const double sink_seconds = Run(sink_address, session, streams, total, payloads);
+    const double worker_seconds =
+        Run(worker_address, session, streams, total, payloads);
+    const double gb = total * bytes_per_chunk / 1e9;
+    std::printf("%-8d %14.3f %14.3f %8.3f\n", streams, gb / worker_seconds,
+                gb / sink_seconds, sink_seconds / worker_seconds);
+  }
+  sink->Shutdown();
+  (*worker)->Shutdown(std::chrono::milliseconds(1000));
+  return 0;
+}
