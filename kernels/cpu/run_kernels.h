@@ -45,8 +45,12 @@ struct RunAccumulator {
   TailKeeper* tail = nullptr;  // null: no tail
 };
 
-// Adds `n` values of type `dtype` starting at `data` to `acc`.
-using RunFn = void (*)(const void* data, size_t n, RunAccumulator& acc);
+// Adds `runs` runs of `length` values of type `dtype` to `acc`; run r starts
+// `r * stride` elements after `data`. One call covers every run of one head
+// in a chunk, so per-call set-up and reductions are paid once per head, and
+// the implementation can prefetch the next runs of a strided layout.
+using RunFn = void (*)(const void* data, size_t runs, size_t length,
+                       size_t stride, RunAccumulator& acc);
 
 RunFn ScalarRunFn(DType dtype);
 // nullptr when this build or this CPU has no AVX2/F16C.

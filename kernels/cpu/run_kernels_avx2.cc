@@ -3,11 +3,14 @@
 // these out, so the binary still runs on CPUs without AVX2.
 #include "kernels/cpu/run_kernels.h"
 
-#if defined(__x86_64__) && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__F16C__) && \
+    defined(__FMA__)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels/cpu/run_kernels.h"
 #include "kernels/element_math.h"
@@ -52,93 +55,216 @@ __m256i Bins8(__m256i abs_bits, uint32_t log2_bins, __m256i overflow_bin) {
   return bin;
 }
 
+// The histogram of one call is counted in kSubHistograms interleaved uint32
+// sub-histograms, lane l of each 8-value vector into sub-histogram l: repeated
+// bins (the common case: activations crowd into a few octaves) then form
+// eight independent store-to-load chains instead of one. The sub-histograms
+// are per thread, kept all zero between calls, and flushed into the uint64
+// histogram (only the bin range that was touched) at the end of each call and
+// before any counter could reach 2^32. Counts are exact, so results are
+// bitwise those of the scalar path.
+constexpr int kSubHistograms = 8;
+constexpr size_t kFlushEvery = size_t{1} << 31;  // values per flush, < 2^32
+// Prefetch this many runs ahead when the runs of a head are strided.
+constexpr size_t kPrefetchRuns = 16;
+constexpr size_t kMaxPrefetchBytes = 4096;
+
+uint32_t* SubHistograms(uint32_t bins) {
+  thread_local std::vector<uint32_t> scratch;
+  const size_t need = static_cast<size_t>(bins) * kSubHistograms;
+  if (scratch.size() < need) scratch.resize(need, 0);
+  return scratch.data();
+}
+
+void FlushSubHistograms(uint32_t* sub, uint32_t bins, uint32_t lo, uint32_t hi,
+                        uint64_t* histogram) {
+  for (uint32_t bin = lo; bin <= hi && bin < bins; ++bin) {
+    uint64_t total = 0;
+    for (int k = 0; k < kSubHistograms; ++k) {
+      total += sub[static_cast<size_t>(k) * bins + bin];
+      sub[static_cast<size_t>(k) * bins + bin] = 0;
+    }
+    histogram[bin] += total;
+  }
+}
+
+uint32_t HorizontalMinU32(__m256i v) {
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  uint32_t m = lanes[0];
+  for (uint32_t x : lanes) m = std::min(m, x);
+  return m;
+}
+uint32_t HorizontalMaxU32(__m256i v) {
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  uint32_t m = lanes[0];
+  for (uint32_t x : lanes) m = std::max(m, x);
+  return m;
+}
+
 template <DType kDType, bool kHistogram, bool kTail>
-void Avx2Run(const void* data, size_t n, RunAccumulator& acc) {
+void Avx2Runs(const void* data, size_t runs, size_t length, size_t stride,
+              RunAccumulator& acc) {
   constexpr size_t kSize = kDType == DType::kF32 ? 4 : 2;
-  const auto* p = static_cast<const unsigned char*>(data);
+  const auto* base = static_cast<const unsigned char*>(data);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   const __m256i max_finite = _mm256_set1_epi32(0x7f7fffff);
   const __m256i inf_bits = _mm256_set1_epi32(0x7f800000);
   const __m256 pos_inf = _mm256_castsi256_ps(inf_bits);
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 neg_inf =
+      _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 zero = _mm256_setzero_ps();
   const uint32_t log2_bins = acc.log2_bins_per_octave;
+  const uint32_t bin_count = HistogramBinCount(log2_bins);
   const __m256i overflow_bin =
-      _mm256_set1_epi32(static_cast<int>(HistogramBinCount(log2_bins) - 1));
-  uint64_t* const histogram = acc.histogram;
+      _mm256_set1_epi32(static_cast<int>(bin_count - 1));
   TailKeeper* const tail = acc.tail;
+  uint32_t* const sub = kHistogram ? SubHistograms(bin_count) : nullptr;
+  const __m256i lane_offset =
+      _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                         _mm256_set1_epi32(static_cast<int>(bin_count)));
+  __m256i bin_lo = _mm256_set1_epi32(-1);  // as unsigned: UINT32_MAX
+  __m256i bin_hi = _mm256_setzero_si256();
+  size_t since_flush = 0;
+  auto flush = [&] {
+    if constexpr (kHistogram) {
+      if (since_flush == 0) return;
+      FlushSubHistograms(sub, bin_count, HorizontalMinU32(bin_lo),
+                         HorizontalMaxU32(bin_hi), acc.histogram);
+      bin_lo = _mm256_set1_epi32(-1);
+      bin_hi = _mm256_setzero_si256();
+      since_flush = 0;
+    }
+  };
 
-  __m256 vmin = _mm256_set1_ps(acc.min);
-  __m256 vmax = _mm256_set1_ps(acc.max);
-  __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
-  __m256d sq0 = _mm256_setzero_pd(), sq1 = _mm256_setzero_pd();
-  uint64_t nonfinite = 0, nan = 0;
+  // Two independent sets of vector accumulators, so that the latency of
+  // the double additions does not bound the loop.
+  struct Lanes {
+    __m256 vmin = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
+    __m256d sq0 = _mm256_setzero_pd(), sq1 = _mm256_setzero_pd();
+  };
+  Lanes even, odd;
+  uint64_t vector_values = 0, nonfinite = 0, nan = 0;
   __m256 threshold = _mm256_set1_ps(kTail ? tail->threshold() : 0.0f);
 
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    // x + 0 turns -0.0 into +0.0 (element_math.h CanonicalZero).
-    const __m256 x = _mm256_add_ps(Load8<kDType>(p + i * kSize), zero);
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i abs_bits = _mm256_and_si256(bits, abs_mask);
-    const __m256i bad = _mm256_cmpgt_epi32(abs_bits, max_finite);
-    const int bad_mask = _mm256_movemask_ps(_mm256_castsi256_ps(bad));
-    __m256 xf = x;  // x with non-finite lanes zeroed
-    if (bad_mask != 0) [[unlikely]] {
-      const __m256i is_nan = _mm256_cmpgt_epi32(abs_bits, inf_bits);
-      nonfinite += static_cast<uint64_t>(__builtin_popcount(bad_mask));
-      nan += static_cast<uint64_t>(__builtin_popcount(
-          _mm256_movemask_ps(_mm256_castsi256_ps(is_nan))));
-      const __m256 bad_ps = _mm256_castsi256_ps(bad);
-      vmin = _mm256_min_ps(vmin, _mm256_blendv_ps(x, pos_inf, bad_ps));
-      vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(x, neg_inf, bad_ps));
-      xf = _mm256_blendv_ps(x, zero, bad_ps);
-    } else {
-      vmin = _mm256_min_ps(vmin, x);
-      vmax = _mm256_max_ps(vmax, x);
-    }
-    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(xf));
-    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(xf, 1));
-    sum0 = _mm256_add_pd(sum0, lo);
-    sum1 = _mm256_add_pd(sum1, hi);
-    sq0 = _mm256_fmadd_pd(lo, lo, sq0);
-    sq1 = _mm256_fmadd_pd(hi, hi, sq1);
-    if constexpr (kHistogram) {
-      alignas(32) uint32_t bins[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(bins),
-                         Bins8(abs_bits, log2_bins, overflow_bin));
-      if (bad_mask == 0) [[likely]] {
-        for (int lane = 0; lane < 8; ++lane) ++histogram[bins[lane]];
+  // Adds the values [p, p + 8 * vectors) with the vector code.
+  auto add_vector = [&](const unsigned char* p, Lanes& l) {
+    {
+      // x + 0 turns -0.0 into +0.0 (element_math.h CanonicalZero).
+      const __m256 x = _mm256_add_ps(Load8<kDType>(p), zero);
+      const __m256i bits = _mm256_castps_si256(x);
+      const __m256i abs_bits = _mm256_and_si256(bits, abs_mask);
+      const __m256i bad = _mm256_cmpgt_epi32(abs_bits, max_finite);
+      const int bad_mask = _mm256_movemask_ps(_mm256_castsi256_ps(bad));
+      __m256 xf = x;  // x with non-finite lanes zeroed
+      if (bad_mask != 0) [[unlikely]] {
+        const __m256i is_nan = _mm256_cmpgt_epi32(abs_bits, inf_bits);
+        nonfinite += static_cast<uint64_t>(__builtin_popcount(bad_mask));
+        nan += static_cast<uint64_t>(__builtin_popcount(
+            _mm256_movemask_ps(_mm256_castsi256_ps(is_nan))));
+        const __m256 bad_ps = _mm256_castsi256_ps(bad);
+        l.vmin = _mm256_min_ps(l.vmin, _mm256_blendv_ps(x, pos_inf, bad_ps));
+        l.vmax = _mm256_max_ps(l.vmax, _mm256_blendv_ps(x, neg_inf, bad_ps));
+        xf = _mm256_blendv_ps(x, zero, bad_ps);
       } else {
-        for (int lane = 0; lane < 8; ++lane) {
-          if (((bad_mask >> lane) & 1) == 0) ++histogram[bins[lane]];
-        }
+        l.vmin = _mm256_min_ps(l.vmin, x);
+        l.vmax = _mm256_max_ps(l.vmax, x);
       }
-    }
-    if constexpr (kTail) {
-      const __m256 abs_x = _mm256_castsi256_ps(abs_bits);
-      // Ordered compare: NaN lanes are false; Inf lanes are masked out.
-      int enter = _mm256_movemask_ps(_mm256_cmp_ps(abs_x, threshold, _CMP_GT_OQ));
-      enter &= ~bad_mask;
-      if (enter != 0) [[unlikely]] {
-        alignas(32) float values[8];
-        _mm256_store_ps(values, abs_x);
-        for (int lane = 0; lane < 8; ++lane) {
-          if ((enter >> lane) & 1) {
-            if (values[lane] > tail->threshold()) tail->Offer(values[lane]);
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(xf));
+      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(xf, 1));
+      l.sum0 = _mm256_add_pd(l.sum0, lo);
+      l.sum1 = _mm256_add_pd(l.sum1, hi);
+      l.sq0 = _mm256_fmadd_pd(lo, lo, l.sq0);
+      l.sq1 = _mm256_fmadd_pd(hi, hi, l.sq1);
+      if constexpr (kHistogram) {
+        const __m256i bin = Bins8(abs_bits, log2_bins, overflow_bin);
+        bin_lo = _mm256_min_epu32(bin_lo, bin);
+        bin_hi = _mm256_max_epu32(bin_hi, bin);
+        alignas(32) uint32_t slots[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(slots),
+                           _mm256_add_epi32(bin, lane_offset));
+        if (bad_mask == 0) [[likely]] {
+          for (int lane = 0; lane < 8; ++lane) ++sub[slots[lane]];
+        } else {
+          for (int lane = 0; lane < 8; ++lane) {
+            if (((bad_mask >> lane) & 1) == 0) ++sub[slots[lane]];
           }
         }
-        threshold = _mm256_set1_ps(tail->threshold());
+      }
+      if constexpr (kTail) {
+        const __m256 abs_x = _mm256_castsi256_ps(abs_bits);
+        // Ordered compare: NaN lanes are false; Inf lanes are masked out.
+        int enter =
+            _mm256_movemask_ps(_mm256_cmp_ps(abs_x, threshold, _CMP_GT_OQ));
+        enter &= ~bad_mask;
+        if (enter != 0) [[unlikely]] {
+          alignas(32) float values[8];
+          _mm256_store_ps(values, abs_x);
+          for (int lane = 0; lane < 8; ++lane) {
+            if ((enter >> lane) & 1) {
+              if (values[lane] > tail->threshold()) tail->Offer(values[lane]);
+            }
+          }
+          threshold = _mm256_set1_ps(tail->threshold());
+        }
       }
     }
-  }
+  };
+  // Adds the values [p, p + 8 * vectors) with the vector code.
+  auto add_vectors = [&](const unsigned char* p, size_t vectors) {
+    size_t v = 0;
+    for (; v + 2 <= vectors; v += 2, p += 16 * kSize) {
+      add_vector(p, even);
+      add_vector(p + 8 * kSize, odd);
+    }
+    if (v < vectors) add_vector(p, even);
+  };
 
+  const size_t vectors_per_run = length / 8;
+  const size_t rest = length - 8 * vectors_per_run;
+  const size_t stride_bytes = stride * kSize;
+  const size_t run_bytes = length * kSize;
+  const bool prefetch = stride != length && run_bytes <= kMaxPrefetchBytes;
+  constexpr size_t kSegmentVectors = size_t{1} << 24;
+  for (size_t r = 0; r < runs; ++r) {
+    const unsigned char* p = base + r * stride_bytes;
+    if (prefetch && r + kPrefetchRuns < runs) {
+      const unsigned char* ahead = p + kPrefetchRuns * stride_bytes;
+      for (size_t off = 0; off < run_bytes; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+      }
+    }
+    for (size_t done = 0; done < vectors_per_run;) {
+      const size_t n = std::min(vectors_per_run - done, kSegmentVectors);
+      if constexpr (kHistogram) {
+        if (since_flush + 8 * n > kFlushEvery) flush();
+        since_flush += 8 * n;
+      }
+      add_vectors(p + done * 8 * kSize, n);
+      done += n;
+    }
+    vector_values += 8 * vectors_per_run;
+    if (rest != 0) {
+      ScalarRunFn(kDType)(p + 8 * vectors_per_run * kSize, 1, rest, rest, acc);
+    }
+  }
+  flush();
+
+  const __m256 vmin = _mm256_min_ps(even.vmin, odd.vmin);
+  const __m256 vmax = _mm256_max_ps(even.vmax, odd.vmax);
+  const __m256d sum0 = _mm256_add_pd(even.sum0, odd.sum0);
+  const __m256d sum1 = _mm256_add_pd(even.sum1, odd.sum1);
+  const __m256d sq0 = _mm256_add_pd(even.sq0, odd.sq0);
+  const __m256d sq1 = _mm256_add_pd(even.sq1, odd.sq1);
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmin);
-  float mn = lanes[0];
+  float mn = acc.min;
   for (float v : lanes) mn = std::min(mn, v);
   _mm256_store_ps(lanes, vmax);
-  float mx = lanes[0];
+  float mx = acc.max;
   for (float v : lanes) mx = std::max(mx, v);
   alignas(32) double d[4];
   _mm256_store_pd(d, _mm256_add_pd(sum0, sum1));
@@ -148,22 +274,26 @@ void Avx2Run(const void* data, size_t n, RunAccumulator& acc) {
 
   acc.min = mn;
   acc.max = mx;
-  acc.finite += i - nonfinite;
+  acc.finite += vector_values - nonfinite;
   acc.nan += nan;
   acc.inf += nonfinite - nan;
   acc.sum += sum;
   acc.sum_squares += sum_squares;
-  if (i < n) ScalarRunFn(kDType)(p + i * kSize, n - i, acc);
 }
 
 template <DType kDType>
-void Avx2Dispatch(const void* data, size_t n, RunAccumulator& acc) {
+void Avx2Dispatch(const void* data, size_t runs, size_t length, size_t stride,
+                  RunAccumulator& acc) {
   if (acc.histogram != nullptr) {
-    if (acc.tail != nullptr) return Avx2Run<kDType, true, true>(data, n, acc);
-    return Avx2Run<kDType, true, false>(data, n, acc);
+    if (acc.tail != nullptr) {
+      return Avx2Runs<kDType, true, true>(data, runs, length, stride, acc);
+    }
+    return Avx2Runs<kDType, true, false>(data, runs, length, stride, acc);
   }
-  if (acc.tail != nullptr) return Avx2Run<kDType, false, true>(data, n, acc);
-  return Avx2Run<kDType, false, false>(data, n, acc);
+  if (acc.tail != nullptr) {
+    return Avx2Runs<kDType, false, true>(data, runs, length, stride, acc);
+  }
+  return Avx2Runs<kDType, false, false>(data, runs, length, stride, acc);
 }
 
 bool CpuHasAvx2() {

@@ -86,16 +86,26 @@ void ScalarRun(const void* data, size_t n, RunAccumulator& acc) {
   acc.sum_squares += sum_squares;
 }
 
+template <DType kDType>
+void ScalarRuns(const void* data, size_t runs, size_t length, size_t stride,
+                RunAccumulator& acc) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  const size_t stride_bytes = stride * DTypeSize(kDType);
+  for (size_t r = 0; r < runs; ++r) {
+    ScalarRun<kDType>(p + r * stride_bytes, length, acc);
+  }
+}
+
 }  // namespace
 
 RunFn ScalarRunFn(DType dtype) {
   switch (dtype) {
     case DType::kF32:
-      return &ScalarRun<DType::kF32>;
+      return &ScalarRuns<DType::kF32>;
     case DType::kF16:
-      return &ScalarRun<DType::kF16>;
+      return &ScalarRuns<DType::kF16>;
     case DType::kBf16:
-      return &ScalarRun<DType::kBf16>;
+      return &ScalarRuns<DType::kBf16>;
   }
   return nullptr;
 }
