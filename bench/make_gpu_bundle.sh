@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds the CUDA test binaries and kvcal_bench_gpu (in build/, CUDA on) and
-# copies them, with every shared library they need that is not part of the
-# C runtime, into a self-contained bundle for a GPU machine that has no
-# Debian libraries and no network. Run bench/gpu_check.sh there.
+# Builds the CUDA test binaries and kvcal_bench_gpu (in build/ with CUDA on,
+# or in $KVCAL_BUNDLE_BUILD_DIR) and copies them, with every shared library
+# they need that is not part of the C runtime, into a self-contained bundle
+# for a GPU machine that has no Debian libraries and no network. Run
+# bench/gpu_check.sh there.
 #
 #   bench/make_gpu_bundle.sh [BUNDLE_DIR]     (default .gpu-bundle/)
 #
@@ -13,7 +14,7 @@ set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bundle="${1:-${root}/.gpu-bundle}"
-build="${root}/build"
+build="${KVCAL_BUNDLE_BUILD_DIR:-${root}/build}"
 jobs="${KVCAL_BUNDLE_JOBS:-$(nproc)}"
 
 cmake -S "${root}" -B "${build}" -G Ninja -DKVCAL_CUDA=ON >/dev/null
