@@ -1,0 +1,337 @@
+#include "client/checkpoint_inspect.h"
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <regex>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/checkpoint_patcher.h"
+#include "client/model_config.h"
+#include "client/safetensors.h"
+#include "kernels/element_math.h"
+#include "kernels/status_macros.h"
+
+namespace kvcal {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;
+
+constexpr const char* kRoleNames[] = {"q", "k", "v"};
+
+// (layer, role index, convention) when `name` is a KV-cache scale vLLM reads.
+struct ScaleName {
+  uint32_t layer;
+  int role;
+  std::string convention;
+};
+
+std::optional<ScaleName> ParseScaleName(const std::string& name) {
+  static const std::regex kCompressed(
+      R"(.*\.layers\.(\d+)\.self_attn\.(?:attn\.)?([qkv])_scale)");
+  static const std::regex kModelOpt(
+      R"(.*\.layers\.(\d+)\.self_attn\.([kv])_proj\.[kv]_scale)");
+  static const std::regex kQuark(
+      R"(.*\.layers\.(\d+)\.self_attn\.([qkv])_proj\.output_scale)");
+  std::smatch m;
+  auto make = [&](const char* convention) {
+    const char letter = m[2].str()[0];
+    return ScaleName{static_cast<uint32_t>(std::stoul(m[1].str())),
+                     letter == 'q'   ? 0
+                     : letter == 'k' ? 1
+                                     : 2,
+                     convention};
+  };
+  if (std::regex_match(name, m, kCompressed)) return make("compressed-tensors");
+  if (std::regex_match(name, m, kModelOpt)) return make("modelopt");
+  if (std::regex_match(name, m, kQuark)) return make("quark");
+  return std::nullopt;
+}
+
+std::optional<std::vector<float>> ReadFloats(const SafetensorsFile& file,
+                                             const TensorInfo& t) {
+  absl::Span<const std::byte> data = file.Data(t);
+  std::vector<float> values(t.elements());
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (t.dtype == "F32") {
+      std::memcpy(&values[i], data.data() + 4 * i, 4);
+    } else if (t.dtype == "F16" || t.dtype == "BF16") {
+      uint16_t bits;
+      std::memcpy(&bits, data.data() + 2 * i, 2);
+      values[i] = t.dtype == "F16" ? DecodeF16(bits) : DecodeBf16(bits);
+    } else {
+      return std::nullopt;
+    }
+  }
+  return values;
+}
+
+std::string ShapeText(const std::vector<uint64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
+}
+
+}  // namespace
+
+absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name) {
+  const fs::path dir(dir_name);
+  InspectReport report;
+  report.checkpoint_dir = dir_name;
+  std::error_code ec;
+  if (fs::exists(dir / kPatchStagingDir, ec)) {
+    report.errors.push_back(
+        absl::StrCat("an interrupted kvcal patch left ", kPatchStagingDir,
+                     "/; run `kvcal patch` again to complete or discard it"));
+  }
+  KVCAL_ASSIGN_OR_RETURN(std::string config_text,
+                         ReadSmallFile((dir / "config.json").string()));
+  Json config = Json::parse(config_text, nullptr, false);
+  if (config.is_discarded()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat((dir / "config.json").string(), ": not valid JSON"));
+  }
+  KVCAL_ASSIGN_OR_RETURN(ModelGeometry g, ModelGeometryFromConfig(config));
+  std::optional<Json> scheme;
+  if (config.contains("quantization_config") &&
+      config["quantization_config"].is_object()) {
+    const Json& q = config["quantization_config"];
+    if (q.contains("quant_method") && q["quant_method"].is_string()) {
+      report.quant_method = q["quant_method"].get<std::string>();
+    }
+    if (q.contains("kv_cache_scheme") && q["kv_cache_scheme"].is_object()) {
+      scheme = q["kv_cache_scheme"];
+      if (scheme->contains("strategy") && (*scheme)["strategy"].is_string()) {
+        report.strategy = (*scheme)["strategy"].get<std::string>();
+      }
+    }
+  }
+
+  // Which files to read: the index's, or the single file.
+  std::map<std::string, std::vector<std::string>> index_files;
+  std::vector<std::string> files;
+  const fs::path index_path = dir / kIndexName;
+  report.sharded = fs::exists(index_path, ec);
+  if (report.sharded) {
+    KVCAL_ASSIGN_OR_RETURN(std::string text,
+                           ReadSmallFile(index_path.string()));
+    Json index = Json::parse(text, nullptr, false);
+    if (index.is_discarded() || !index.contains("weight_map") ||
+        !index["weight_map"].is_object()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(index_path.string(), ": no weight_map"));
+    }
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      const std::string f = file.is_string() ? file.get<std::string>() : "";
+      if (!index_files.count(f)) files.push_back(f);
+      index_files[f].push_back(name);
+    }
+    for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+      const std::string f = e.path().filename().string();
+      if (f.ends_with(".safetensors") && !index_files.count(f)) {
+        report.warnings.push_back(absl::StrCat(
+            f, " is not in the index: vLLM and Transformers skip it"));
+      }
+    }
+  } else if (fs::exists(dir / "model.safetensors", ec)) {
+    files.push_back("model.safetensors");
+  } else {
+    return absl::NotFoundError(absl::StrCat(
+        dir_name, " has neither ", kIndexName, " nor model.safetensors"));
+  }
+
+  std::map<uint32_t, InspectedLayer> layers;
+  std::set<std::string> conventions;
+  for (const std::string& f : files) {
+    auto file = SafetensorsFile::Open((dir / f).string());
+    if (!file.ok()) {
+      report.errors.push_back(std::string(file.status().message()));
+      continue;
+    }
+    for (const std::string& name : index_files[f]) {
+      if (file->Find(name) == nullptr) {
+        report.errors.push_back(absl::StrCat("the index puts '", name, "' in ",
+                                             f, ", which does not hold it"));
+      }
+    }
+    report.tensor_count += file->tensors().size();
+    for (const TensorInfo& t : file->tensors()) {
+      std::optional<ScaleName> parsed = ParseScaleName(t.name);
+      if (!parsed) continue;
+      conventions.insert(parsed->convention);
+      InspectedLayer& layer = layers[parsed->layer];
+      layer.layer = parsed->layer;
+      InspectedScale& scale = layer.roles[parsed->role];
+      if (!scale.tensor.empty()) {
+        report.errors.push_back(absl::StrCat(
+            "layer ", parsed->layer, " has two ", kRoleNames[parsed->role],
+            " scales: ", scale.tensor, " and ", t.name));
+      }
+      scale.tensor = t.name;
+      scale.file = f;
+      scale.shape = t.shape;
+      std::optional<std::vector<float>> values = ReadFloats(*file, t);
+      if (!values) {
+        report.errors.push_back(absl::StrCat(t.name, " has dtype ", t.dtype,
+                                             "; scales must be F32/F16/BF16"));
+        continue;
+      }
+      scale.values = *std::move(values);
+    }
+  }
+  if (conventions.size() > 1) {
+    report.warnings.push_back(
+        absl::StrCat("scales in several naming conventions: ",
+                     absl::StrJoin(conventions, ", ")));
+  }
+  if (layers.empty()) {
+    report.errors.push_back(
+        "no q/k/v scales found: vLLM would use 1.0 for every scale");
+  }
+
+  const bool per_head_scheme = report.strategy == "attn_head";
+  uint32_t missing_q = 0;
+  bool any_per_head = false;
+  for (uint32_t l = 0; l < g.num_layers && !layers.empty(); ++l) {
+    auto it = layers.find(l);
+    for (int r = 0; r < 3; ++r) {
+      const InspectedScale* s =
+          it == layers.end() ? nullptr : &it->second.roles[r];
+      if (s == nullptr || s->tensor.empty()) {
+        if (r == 0) {
+          ++missing_q;
+        } else {
+          report.errors.push_back(
+              absl::StrCat("layer ", l, ": no ", kRoleNames[r],
+                           "_scale (vLLM would silently use 1.0)"));
+        }
+        continue;
+      }
+      for (float v : s->values) {
+        if (!std::isfinite(v) || v <= 0) {
+          report.errors.push_back(absl::StrCat(
+              s->tensor, " holds ", v, "; scales must be finite and > 0"));
+          break;
+        }
+      }
+      const uint32_t heads =
+          r == 0 ? g.num_attention_heads : g.num_key_value_heads;
+      const size_t n = s->values.size();
+      const bool per_head = n > 1 || (s->shape.size() == 3 && heads == 1);
+      any_per_head |= per_head;
+      if (per_head && n != heads && !(r == 0 && n == g.num_key_value_heads)) {
+        report.errors.push_back(absl::StrCat(
+            s->tensor, " has shape ", ShapeText(s->shape), " but config.json ",
+            "gives ", heads, " ", kRoleNames[r], " heads"));
+      }
+      if (per_head && !per_head_scheme && !report.strategy.empty()) {
+        report.errors.push_back(absl::StrCat(
+            s->tensor, " is per head but kv_cache_scheme.strategy is '",
+            report.strategy, "'"));
+      }
+      if (!per_head && per_head_scheme) {
+        report.errors.push_back(
+            absl::StrCat(s->tensor,
+                         " is per tensor but kv_cache_scheme.strategy is "
+                         "'attn_head' (vLLM expects [heads, 1, 1])"));
+      }
+    }
+  }
+  for (const auto& [l, layer] : layers) {
+    if (l >= g.num_layers) {
+      report.errors.push_back(absl::StrCat("scales for layer ", l,
+                                           " but config.json has ",
+                                           g.num_layers, " layers"));
+    }
+  }
+  if (missing_q > 0) {
+    report.warnings.push_back(absl::StrCat(
+        missing_q,
+        " layer(s) have no q_scale: vLLM's compressed-tensors path "
+        "keeps 1.0 silently; the Fp8/ModelOpt/Quark path falls back to "
+        "k_scale"));
+  }
+  if (any_per_head) {
+    report.warnings.push_back(
+        "per-head scales: only vLLM's FlashAttention-3 backend consumes them; "
+        "every other FP8 backend needs per-tensor scales");
+  }
+  if (!layers.empty() && conventions.count("compressed-tensors") && !scheme) {
+    report.errors.push_back(
+        "config.json has no quantization_config.kv_cache_scheme: vLLM will "
+        "not load the compressed-tensors scales");
+  }
+  for (auto& [l, layer] : layers) report.layers.push_back(layer);
+  return report;
+}
+
+Json InspectReport::ToJson() const {
+  Json out = {{"checkpoint", checkpoint_dir},  {"sharded", sharded},
+              {"tensors", tensor_count},       {"quant_method", quant_method},
+              {"kv_cache_strategy", strategy}, {"ok", ok()}};
+  Json rows = Json::array();
+  for (const InspectedLayer& layer : layers) {
+    Json row = {{"layer", layer.layer}};
+    for (int r = 0; r < 3; ++r) {
+      const InspectedScale& s = layer.roles[r];
+      if (s.tensor.empty()) {
+        row[kRoleNames[r]] = nullptr;
+      } else {
+        row[kRoleNames[r]] = {{"tensor", s.tensor},
+                              {"file", s.file},
+                              {"shape", s.shape},
+                              {"values", s.values}};
+      }
+    }
+    rows.push_back(std::move(row));
+  }
+  out["layers"] = std::move(rows);
+  out["errors"] = errors;
+  out["warnings"] = warnings;
+  return out;
+}
+
+std::string InspectReport::ToText() const {
+  std::string out = absl::StrCat(
+      checkpoint_dir, ": ", sharded ? "sharded" : "single file", ", ",
+      tensor_count, " tensors, quantization_config ",
+      quant_method.empty() ? "none" : quant_method,
+      strategy.empty() ? "" : absl::StrCat(", kv_cache_scheme ", strategy),
+      "\n");
+  absl::StrAppend(&out,
+                  "layer  q_scale (min..max)       k_scale (min..max)       "
+                  "v_scale (min..max)\n");
+  for (const InspectedLayer& layer : layers) {
+    absl::StrAppend(&out, absl::StrFormat("%5u", layer.layer));
+    for (int r = 0; r < 3; ++r) {
+      const InspectedScale& s = layer.roles[r];
+      if (s.tensor.empty() || s.values.empty()) {
+        absl::StrAppend(&out, absl::StrFormat("  %-23s", "-"));
+        continue;
+      }
+      float lo = s.values[0], hi = s.values[0];
+      for (float v : s.values) {
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+      }
+      absl::StrAppend(
+          &out, absl::StrFormat("  %-23s",
+                                s.values.size() == 1
+                                    ? absl::StrFormat("%.4g", lo)
+                                    : absl::StrFormat("%.3g..%.3g x%zu", lo, hi,
+                                                      s.values.size())));
+    }
+    absl::StrAppend(&out, "\n");
+  }
+  for (const std::string& w : warnings)
+    absl::StrAppend(&out, "warning: ", w, "\n");
+  for (const std::string& e : errors) absl::StrAppend(&out, "error: ", e, "\n");
+  absl::StrAppend(&out, ok() ? "OK\n" : "FAILED\n");
+  return out;
+}
+
+}  // namespace kvcal

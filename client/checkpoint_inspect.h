@@ -1,0 +1,61 @@
+// Checks the KV-cache scales of a checkpoint the way vLLM will read them.
+//
+//   KVCAL_ASSIGN_OR_RETURN(kvcal::InspectReport report,
+//                          kvcal::InspectCheckpoint("model"));
+//   for (const std::string& e : report.errors) std::cerr << e << "\n";
+//   return report.errors.empty() ? 0 : 1;
+//
+// Lists the q/k/v scales per layer under every naming vLLM reads
+// (compressed-tensors `self_attn.{q,k,v}_scale` and `self_attn.attn.*`,
+// ModelOpt `{k,v}_proj.{k,v}_scale`, Quark/fp8 `{q,k,v}_proj.output_scale`),
+// checks every value is finite and > 0, that shapes agree with config.json
+// and its kv_cache_scheme, that every file the index names loads and holds
+// what the index says, and warns about what vLLM would do silently: a
+// missing q_scale stays 1.0, per-head scales only reach FlashAttention-3.
+#ifndef KVCAL_CLIENT_CHECKPOINT_INSPECT_H_
+#define KVCAL_CLIENT_CHECKPOINT_INSPECT_H_
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+
+namespace kvcal {
+
+struct InspectedScale {
+  std::string tensor;  // empty when absent
+  std::string file;
+  std::vector<uint64_t> shape;
+  std::vector<float> values;
+};
+
+struct InspectedLayer {
+  uint32_t layer = 0;
+  std::array<InspectedScale, 3> roles;  // Q, K, V
+};
+
+struct InspectReport {
+  std::string checkpoint_dir;
+  bool sharded = false;
+  uint64_t tensor_count = 0;
+  std::string quant_method;  // of config.json's quantization_config
+  std::string strategy;      // kv_cache_scheme.strategy, if any
+  std::vector<InspectedLayer> layers;
+  std::vector<std::string> errors;
+  std::vector<std::string> warnings;
+
+  bool ok() const { return errors.empty(); }
+  nlohmann::ordered_json ToJson() const;
+  std::string ToText() const;
+};
+
+// Fails only when the checkpoint cannot be read at all (no config.json, no
+// tensor files); problems with the scales land in report.errors.
+absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir);
+
+}  // namespace kvcal
+
+#endif  // KVCAL_CLIENT_CHECKPOINT_INSPECT_H_

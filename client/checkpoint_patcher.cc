@@ -1,0 +1,646 @@
+#include "client/checkpoint_patcher.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <set>
+#include <system_error>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/model_config.h"
+#include "client/safetensors.h"
+#include "client/scales_file.h"
+#include "kernels/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace kvcal {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;
+
+constexpr char kJournalName[] = "COMMIT";
+constexpr char kConfigName[] = "config.json";
+constexpr char kSingleFileName[] = "model.safetensors";
+
+// The test hook: KVCAL_PATCH_CRASH_AT=N kills the process at the N-th step.
+class CrashPoints {
+ public:
+  CrashPoints() {
+    if (const char* env = std::getenv("KVCAL_PATCH_CRASH_AT")) {
+      crash_at_ = std::atoi(env);
+    }
+  }
+  void Step() {
+    ++step_;
+    if (crash_at_ > 0 && step_ == crash_at_) ::raise(SIGKILL);
+  }
+
+ private:
+  int crash_at_ = 0;
+  int step_ = 0;
+};
+
+absl::Status FsError(absl::string_view what, const std::error_code& ec) {
+  return absl::InternalError(absl::StrCat(what, ": ", ec.message()));
+}
+
+absl::Status Rename(const fs::path& from, const fs::path& to) {
+  std::error_code ec;
+  fs::rename(from, to, ec);
+  if (ec) {
+    return FsError(
+        absl::StrCat("cannot rename ", from.string(), " to ", to.string()), ec);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Json> ReadJsonFile(const fs::path& path) {
+  KVCAL_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path.string()));
+  Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded() || !json.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path.string(), ": not a JSON object"));
+  }
+  return json;
+}
+
+// The names a target gives (layer, role); empty when the target has none.
+std::string TargetTensorName(PatchTarget target, const std::string& prefix,
+                             uint32_t layer, Role role) {
+  const char letter = "qkv"[RoleIndex(role)];
+  const std::string base =
+      absl::StrCat(prefix, ".layers.", layer, ".self_attn.");
+  switch (target) {
+    case PatchTarget::kCompressedTensors:
+      return absl::StrCat(base, std::string(1, letter), "_scale");
+    case PatchTarget::kModelOpt:
+      if (role == Role::kQ) return "";
+      return absl::StrCat(base, std::string(1, letter), "_proj.",
+                          std::string(1, letter), "_scale");
+    case PatchTarget::kQuark:
+      return absl::StrCat(base, std::string(1, letter), "_proj.output_scale");
+  }
+  return "";
+}
+
+// The prefix the checkpoint uses before ".layers.{L}.self_attn." ("model" for
+// Llama; "model.language_model" for some multimodal models).
+std::string DetectPrefix(const std::vector<std::string>& names) {
+  static const std::regex kAttention(R"((.*)\.layers\.\d+\.self_attn\..*)");
+  for (const std::string& name : names) {
+    std::smatch m;
+    if (std::regex_match(name, m, kAttention)) return m[1].str();
+  }
+  return "model";
+}
+
+absl::Status UpdateConfig(Json& config, PatchTarget target,
+                          const CalibratedScales& scales) {
+  Json* existing = nullptr;
+  if (config.contains("quantization_config") &&
+      config["quantization_config"].is_object()) {
+    existing = &config["quantization_config"];
+  }
+  const std::string method =
+      existing && (*existing).contains("quant_method") &&
+              (*existing)["quant_method"].is_string()
+          ? (*existing)["quant_method"].get<std::string>()
+          : "";
+  switch (target) {
+    case PatchTarget::kCompressedTensors: {
+      if (existing && method != "compressed-tensors") {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "config.json already has a '", method,
+            "' quantization_config; compressed-tensors scales would not load "
+            "(try --target modelopt or quark)"));
+      }
+      auto format = scales.metadata.find("format");
+      const bool is_int8 =
+          format != scales.metadata.end() && format->second == "int8";
+      Json scheme = {
+          {"num_bits", 8},
+          {"type", is_int8 ? "int" : "float"},
+          {"symmetric", true},
+          {"dynamic", false},
+          {"strategy", scales.granularity == Granularity::kPerHead ? "attn_head"
+                                                                   : "tensor"},
+          {"group_size", nullptr},
+          {"block_structure", nullptr},
+          {"actorder", nullptr},
+          {"observer", scales.observer},
+          {"observer_kwargs", Json::object()}};
+      if (!existing) {
+        config["quantization_config"] = {{"quant_method", "compressed-tensors"},
+                                         {"config_groups", Json::object()},
+                                         {"ignore", Json::array()},
+                                         {"format", "dense"},
+                                         {"quantization_status", "compressed"},
+                                         {"kv_cache_scheme", scheme}};
+      } else {
+        if (!existing->contains("config_groups")) {
+          (*existing)["config_groups"] = Json::object();
+        }
+        (*existing)["kv_cache_scheme"] = scheme;
+      }
+      return absl::OkStatus();
+    }
+    case PatchTarget::kModelOpt:
+      if (method != "modelopt") {
+        return absl::FailedPreconditionError(
+            "--target modelopt needs a model already quantized with ModelOpt "
+            "(quantization_config.quant_method \"modelopt\")");
+      }
+      (*existing)["kv_cache_quant_algo"] = "FP8";
+      return absl::OkStatus();
+    case PatchTarget::kQuark:
+      if (method != "quark") {
+        return absl::FailedPreconditionError(
+            "--target quark needs a model already quantized with Quark "
+            "(quantization_config.quant_method \"quark\")");
+      }
+      if (!existing->contains("kv_cache_group")) {
+        (*existing)["kv_cache_group"] = {"*k_proj", "*v_proj"};
+      }
+      return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckScalesAgainstGeometry(const CalibratedScales& scales,
+                                        const ModelGeometry& g,
+                                        PatchTarget target) {
+  if (target != PatchTarget::kCompressedTensors &&
+      scales.granularity != Granularity::kPerTensor) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--target ", PatchTargetName(target),
+        " accepts only per-tensor scales; finalize with --granularity tensor"));
+  }
+  for (const auto& [layer, roles] : scales.layers) {
+    if (layer >= g.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("scales hold layer ", layer, " but config.json has ",
+                       g.num_layers, " layers"));
+    }
+    for (Role role : kAllRoles) {
+      const size_t n = roles[RoleIndex(role)].size();
+      if (n == 0 || scales.granularity == Granularity::kPerTensor) continue;
+      const uint32_t heads =
+          role == Role::kQ ? g.num_attention_heads : g.num_key_value_heads;
+      const bool grouped_q = role == Role::kQ && n == g.num_key_value_heads;
+      if (n != heads && !grouped_q) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            ScaleTensorName(layer, role), " has ", n,
+            " per-head scales but config.json gives ", heads, " heads"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One file of the output: where its tensors come from and what changes.
+struct FilePlan {
+  std::string name;            // relative to the checkpoint
+  std::string source;          // full path, empty for a new file
+  std::set<std::string> drop;  // source tensors left out
+  bool add_scales = false;
+};
+
+struct NewTensor {
+  std::string name;
+  std::vector<uint64_t> shape;
+  std::vector<float> values;
+};
+
+absl::Status WriteStagedFile(const FilePlan& plan,
+                             const std::vector<NewTensor>& scales,
+                             const fs::path& staged) {
+  std::optional<SafetensorsFile> source;
+  std::vector<TensorToWrite> tensors;
+  std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  if (!plan.source.empty()) {
+    KVCAL_ASSIGN_OR_RETURN(source, SafetensorsFile::Open(plan.source));
+    metadata = source->metadata();
+    for (const TensorInfo& t : source->tensors()) {
+      if (plan.drop.count(t.name)) continue;
+      tensors.push_back({t.name, t.dtype, t.shape, source->Data(t)});
+    }
+  }
+  if (plan.add_scales) {
+    for (const NewTensor& s : scales) {
+      tensors.push_back(
+          {s.name, "F32", s.shape,
+           absl::Span<const std::byte>(
+               reinterpret_cast<const std::byte*>(s.values.data()),
+               s.values.size() * sizeof(float))});
+    }
+  }
+  return WriteSafetensors(staged.string(), tensors, metadata);
+}
+
+// Byte-for-byte check of a staged file against its source and the scales.
+absl::Status VerifyStagedFile(const FilePlan& plan,
+                              const std::vector<NewTensor>& scales,
+                              const fs::path& staged, PatchReport& report) {
+  KVCAL_ASSIGN_OR_RETURN(SafetensorsFile out, SafetensorsFile::Open(staged));
+  size_t expected = plan.add_scales ? scales.size() : 0;
+  if (!plan.source.empty()) {
+    KVCAL_ASSIGN_OR_RETURN(SafetensorsFile in,
+                           SafetensorsFile::Open(plan.source));
+    for (const TensorInfo& t : in.tensors()) {
+      if (plan.drop.count(t.name)) continue;
+      ++expected;
+      const TensorInfo* o = out.Find(t.name);
+      if (o == nullptr || o->dtype != t.dtype || o->shape != t.shape ||
+          o->size() != t.size() ||
+          std::memcmp(out.Data(*o).data(), in.Data(t).data(), t.size()) != 0) {
+        return absl::DataLossError(absl::StrCat(
+            "verification failed: tensor '", t.name, "' in ", staged.string(),
+            " differs from ", plan.source, "; nothing was committed"));
+      }
+      ++report.tensors_verified;
+      report.bytes_verified += t.size();
+    }
+  }
+  if (plan.add_scales) {
+    for (const NewTensor& s : scales) {
+      const TensorInfo* o = out.Find(s.name);
+      if (o == nullptr || o->size() != s.values.size() * sizeof(float) ||
+          std::memcmp(out.Data(*o).data(), s.values.data(), o->size()) != 0) {
+        return absl::DataLossError(absl::StrCat(
+            "verification failed: scale '", s.name, "' in ", staged.string()));
+      }
+    }
+  }
+  if (out.tensors().size() != expected) {
+    return absl::DataLossError(
+        absl::StrCat("verification failed: ", staged.string(), " holds ",
+                     out.tensors().size(), " tensors, expected ", expected));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status VerifyFileCopy(const fs::path& source, const fs::path& copy,
+                            PatchReport& report) {
+  KVCAL_ASSIGN_OR_RETURN(SafetensorsFile in, SafetensorsFile::Open(source));
+  KVCAL_ASSIGN_OR_RETURN(SafetensorsFile out, SafetensorsFile::Open(copy));
+  for (const TensorInfo& t : in.tensors()) {
+    const TensorInfo* o = out.Find(t.name);
+    if (o == nullptr || o->size() != t.size() ||
+        std::memcmp(out.Data(*o).data(), in.Data(t).data(), t.size()) != 0) {
+      return absl::DataLossError(absl::StrCat("verification failed: tensor '",
+                                              t.name, "' in ", copy.string()));
+    }
+    ++report.tensors_verified;
+    report.bytes_verified += t.size();
+  }
+  return absl::OkStatus();
+}
+
+// Copies a file or a directory tree; regular files are fsynced.
+absl::Status CopySynced(const fs::path& from, const fs::path& to) {
+  std::error_code ec;
+  if (!fs::is_regular_file(from, ec)) {
+    fs::copy(from, to, fs::copy_options::recursive, ec);
+    if (ec) return FsError(absl::StrCat("cannot copy ", from.string()), ec);
+    return absl::OkStatus();
+  }
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+  if (ec) return FsError(absl::StrCat("cannot copy ", from.string()), ec);
+  const int fd = ::open(to.c_str(), O_RDONLY | O_CLOEXEC);
+  const bool synced = fd >= 0 && ::fsync(fd) == 0;
+  if (fd >= 0) ::close(fd);
+  if (!synced) {
+    return absl::InternalError(
+        absl::StrCat("cannot fsync ", to.string(), ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<PatchTarget> ParsePatchTarget(absl::string_view name) {
+  if (name == "compressed-tensors") return PatchTarget::kCompressedTensors;
+  if (name == "modelopt") return PatchTarget::kModelOpt;
+  if (name == "quark") return PatchTarget::kQuark;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown target '", name, "' (compressed-tensors, modelopt or quark)"));
+}
+
+absl::string_view PatchTargetName(PatchTarget target) {
+  switch (target) {
+    case PatchTarget::kCompressedTensors:
+      return "compressed-tensors";
+    case PatchTarget::kModelOpt:
+      return "modelopt";
+    case PatchTarget::kQuark:
+      return "quark";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<std::string> RecoverInterruptedPatch(
+    const std::string& checkpoint_dir) {
+  const fs::path dir(checkpoint_dir);
+  const fs::path staging = dir / kPatchStagingDir;
+  std::error_code ec;
+  if (!fs::exists(staging, ec)) return std::string();
+  const fs::path journal = staging / kJournalName;
+  std::string what;
+  if (fs::exists(journal, ec)) {
+    KVCAL_ASSIGN_OR_RETURN(Json renames, ReadJsonFile(journal));
+    if (!renames.contains("renames") || !renames["renames"].is_array()) {
+      return absl::DataLossError(
+          absl::StrCat(journal.string(), ": journal has no renames"));
+    }
+    for (const Json& name : renames["renames"]) {
+      const fs::path from = staging / name.get<std::string>();
+      if (fs::exists(from, ec)) {
+        KVCAL_RETURN_IF_ERROR(Rename(from, dir / name.get<std::string>()));
+      }
+    }
+    KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));
+    what = "completed an interrupted patch (its journal was committed)";
+  } else {
+    what = "discarded an interrupted patch that had not committed";
+  }
+  fs::remove_all(staging, ec);
+  if (ec) return FsError(absl::StrCat("cannot remove ", staging.string()), ec);
+  KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));
+  return what;
+}
+
+absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
+  CrashPoints crash;
+  PatchReport report;
+  const fs::path dir(options.checkpoint_dir);
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint directory ", dir.string(), " not found"));
+  }
+  KVCAL_ASSIGN_OR_RETURN(report.recovered,
+                         RecoverInterruptedPatch(options.checkpoint_dir));
+
+  const fs::path config_path = dir / kConfigName;
+  KVCAL_ASSIGN_OR_RETURN(Json config, ReadJsonFile(config_path));
+  auto geometry = ModelGeometryFromConfig(config);
+  if (!geometry.ok()) {
+    return absl::Status(
+        geometry.status().code(),
+        absl::StrCat(config_path.string(), ": ", geometry.status().message()));
+  }
+  KVCAL_ASSIGN_OR_RETURN(CalibratedScales scales,
+                         ReadScalesFile(options.scales_path));
+  KVCAL_RETURN_IF_ERROR(
+      CheckScalesAgainstGeometry(scales, *geometry, options.target));
+  KVCAL_RETURN_IF_ERROR(UpdateConfig(config, options.target, scales));
+
+  // What the checkpoint holds, file by file.
+  const fs::path index_path = dir / kIndexName;
+  report.sharded = fs::exists(index_path, ec);
+  Json index;
+  std::vector<std::string> shard_names;  // in first-appearance order
+  std::map<std::string, std::vector<std::string>> shard_tensors;
+  if (report.sharded) {
+    KVCAL_ASSIGN_OR_RETURN(index, ReadJsonFile(index_path));
+    if (!index.contains("weight_map") || !index["weight_map"].is_object()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(index_path.string(), ": no weight_map object"));
+    }
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      if (!file.is_string()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path.string(), ": weight_map entry '", name,
+                         "' is not a file name"));
+      }
+      const std::string f = file.get<std::string>();
+      if (!shard_tensors.count(f)) shard_names.push_back(f);
+      shard_tensors[f].push_back(name);
+    }
+  } else if (fs::exists(dir / kSingleFileName, ec)) {
+    shard_names.push_back(kSingleFileName);
+  } else {
+    return absl::NotFoundError(absl::StrCat(
+        dir.string(), " has neither ", kIndexName, " nor ", kSingleFileName));
+  }
+  // Open every shard once: validates each header and gives the names.
+  std::vector<std::string> all_names;
+  std::map<std::string, std::set<std::string>> names_in_file;
+  for (const std::string& shard : shard_names) {
+    KVCAL_ASSIGN_OR_RETURN(SafetensorsFile file,
+                           SafetensorsFile::Open((dir / shard).string()));
+    for (const TensorInfo& t : file.tensors()) {
+      names_in_file[shard].insert(t.name);
+      all_names.push_back(t.name);
+    }
+    for (const std::string& name : shard_tensors[shard]) {
+      if (!names_in_file[shard].count(name)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path.string(), ": weight_map puts '", name,
+                         "' in ", shard, ", which does not hold it"));
+      }
+    }
+  }
+  const std::string prefix = DetectPrefix(all_names);
+
+  // The new scale tensors under the target's names.
+  std::vector<NewTensor> new_tensors;
+  std::set<std::string> new_names;
+  for (const auto& [layer, roles] : scales.layers) {
+    for (Role role : kAllRoles) {
+      const std::vector<float>& values = roles[RoleIndex(role)];
+      const std::string name =
+          TargetTensorName(options.target, prefix, layer, role);
+      if (values.empty() || name.empty()) continue;
+      NewTensor t;
+      t.name = name;
+      t.values = values;
+      if (scales.granularity == Granularity::kPerHead) {
+        t.shape = {values.size(), 1, 1};
+      } else if (options.target == PatchTarget::kCompressedTensors) {
+        t.shape = {1};
+      }  // ModelOpt and Quark store scalars.
+      new_names.insert(t.name);
+      new_tensors.push_back(std::move(t));
+    }
+  }
+  report.scale_tensors = new_tensors.size();
+
+  // Plan the files.
+  std::vector<FilePlan> plans;
+  if (report.sharded) {
+    FilePlan scales_shard{kScalesShardName, "", {}, true};
+    for (const std::string& shard : shard_names) {
+      std::set<std::string> drop;
+      for (const std::string& name : names_in_file[shard]) {
+        if (new_names.count(name)) drop.insert(name);
+      }
+      report.replaced_tensors += drop.size();
+      if (shard == kScalesShardName) {
+        scales_shard.source = (dir / shard).string();
+        scales_shard.drop = std::move(drop);
+      } else if (!drop.empty()) {
+        plans.push_back(
+            {shard, (dir / shard).string(), std::move(drop), false});
+      }
+    }
+    plans.push_back(std::move(scales_shard));
+  } else {
+    FilePlan single{
+        kSingleFileName, (dir / kSingleFileName).string(), {}, true};
+    for (const std::string& name : names_in_file[kSingleFileName]) {
+      if (new_names.count(name)) single.drop.insert(name);
+    }
+    report.replaced_tensors = single.drop.size();
+    plans.push_back(std::move(single));
+  }
+
+  // Stage.
+  const bool in_place = options.out_dir.empty();
+  const fs::path out_dir = in_place ? dir : fs::path(options.out_dir);
+  const fs::path staging = in_place
+                               ? dir / kPatchStagingDir
+                               : fs::path(options.out_dir + ".kvcal-partial");
+  report.output_dir = out_dir.string();
+  if (!in_place) {
+    if (fs::exists(out_dir, ec) && !fs::is_empty(out_dir, ec)) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "output directory ", out_dir.string(), " exists and is not empty"));
+    }
+    fs::remove_all(staging, ec);
+  }
+  fs::create_directories(staging, ec);
+  if (ec) return FsError(absl::StrCat("cannot create ", staging.string()), ec);
+  crash.Step();
+
+  std::set<std::string> rewritten;
+  for (const FilePlan& plan : plans) {
+    KVCAL_RETURN_IF_ERROR(
+        WriteStagedFile(plan, new_tensors, staging / plan.name));
+    rewritten.insert(plan.name);
+    report.files_written.push_back(plan.name);
+    crash.Step();
+  }
+  if (report.sharded) {
+    // Index: replaced names leave their shards, the new names point at the
+    // scales shard; total_size follows.
+    Json& weight_map = index["weight_map"];
+    Json updated = Json::object();
+    for (const auto& [name, file] : weight_map.items()) {
+      if (!new_names.count(name) &&
+          file.get<std::string>() != kScalesShardName) {
+        updated[name] = file;
+      }
+    }
+    uint64_t total = 0;
+    for (const NewTensor& t : new_tensors) updated[t.name] = kScalesShardName;
+    // Carried-over tensors of an earlier kvcal scales shard stay listed.
+    for (const std::string& name : names_in_file[kScalesShardName]) {
+      if (!new_names.count(name)) updated[name] = kScalesShardName;
+    }
+    weight_map = std::move(updated);
+    std::set<std::string> files;
+    for (const auto& [name, file] : weight_map.items()) {
+      files.insert(file.get<std::string>());
+    }
+    for (const std::string& f : files) {
+      const fs::path p = rewritten.count(f) ? staging / f : dir / f;
+      KVCAL_ASSIGN_OR_RETURN(SafetensorsFile file,
+                             SafetensorsFile::Open(p.string()));
+      for (const TensorInfo& t : file.tensors()) total += t.size();
+    }
+    if (!index.contains("metadata") || !index["metadata"].is_object()) {
+      index["metadata"] = Json::object();
+    }
+    index["metadata"]["total_size"] = total;
+    KVCAL_RETURN_IF_ERROR(
+        WriteFileSynced((staging / kIndexName).string(), index.dump(2) + "\n"));
+    report.files_written.push_back(kIndexName);
+    crash.Step();
+  }
+  KVCAL_RETURN_IF_ERROR(
+      WriteFileSynced((staging / kConfigName).string(), config.dump(2) + "\n"));
+  report.files_written.push_back(kConfigName);
+  crash.Step();
+
+  // With --out, everything else is copied beside the new files.
+  std::vector<std::string> copied;
+  if (!in_place) {
+    for (const fs::directory_entry& entry : fs::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name == kPatchStagingDir || rewritten.count(name) ||
+          name == kIndexName || name == kConfigName) {
+        continue;
+      }
+      if (report.sharded && name == kScalesShardName) continue;
+      KVCAL_RETURN_IF_ERROR(CopySynced(entry.path(), staging / name));
+      copied.push_back(name);
+    }
+    crash.Step();
+  }
+
+  // Verify before committing.
+  for (const FilePlan& plan : plans) {
+    KVCAL_RETURN_IF_ERROR(
+        VerifyStagedFile(plan, new_tensors, staging / plan.name, report));
+  }
+  for (const std::string& name : copied) {
+    if (name.size() > 12 && name.ends_with(".safetensors")) {
+      KVCAL_RETURN_IF_ERROR(VerifyFileCopy(dir / name, staging / name, report));
+    }
+  }
+  crash.Step();
+
+  // Commit.
+  if (in_place) {
+    Json journal = {{"renames", Json::array()}};
+    for (const FilePlan& plan : plans) {
+      if (plan.name != kScalesShardName) continue;
+      journal["renames"].push_back(plan.name);  // the new shard: unreferenced
+    }
+    for (const FilePlan& plan : plans) {
+      if (plan.name != kScalesShardName)
+        journal["renames"].push_back(plan.name);
+    }
+    if (report.sharded) journal["renames"].push_back(kIndexName);
+    journal["renames"].push_back(kConfigName);
+    KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
+    const fs::path journal_tmp = staging / "COMMIT.tmp";
+    KVCAL_RETURN_IF_ERROR(
+        WriteFileSynced(journal_tmp.string(), journal.dump() + "\n"));
+    KVCAL_RETURN_IF_ERROR(Rename(journal_tmp, staging / kJournalName));
+    KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
+    crash.Step();  // committed: from here on, recovery rolls forward
+    for (const Json& name : journal["renames"]) {
+      KVCAL_RETURN_IF_ERROR(Rename(staging / name.get<std::string>(),
+                                   dir / name.get<std::string>()));
+      crash.Step();
+    }
+    KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));
+    fs::remove_all(staging, ec);
+    if (ec)
+      return FsError(absl::StrCat("cannot remove ", staging.string()), ec);
+    KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));
+  } else {
+    KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
+    if (fs::exists(out_dir, ec)) fs::remove(out_dir, ec);  // empty, checked
+    KVCAL_RETURN_IF_ERROR(Rename(staging, out_dir));
+    KVCAL_RETURN_IF_ERROR(SyncDirectory(out_dir.parent_path().empty()
+                                            ? std::string(".")
+                                            : out_dir.parent_path().string()));
+  }
+  crash.Step();
+  return report;
+}
+
+}  // namespace kvcal

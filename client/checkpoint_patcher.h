@@ -1,0 +1,84 @@
+// Writes calibrated KV-cache scales into a Hugging Face safetensors
+// checkpoint so that vLLM loads them (../shared/FORMATS.md).
+//
+//   kvcal::PatchOptions options{.checkpoint_dir = "model",
+//                               .scales_path = "scales.safetensors"};
+//   KVCAL_ASSIGN_OR_RETURN(kvcal::PatchReport report,
+//                          kvcal::PatchCheckpoint(options));
+//
+// Sharded checkpoints (model.safetensors.index.json) get one new shard,
+// kvcal-kv-scales.safetensors, and an updated index; an existing shard is
+// rewritten (streaming, without them) only when it already holds scale
+// tensors of the names being written. A single-file checkpoint is rewritten
+// streaming with the scales added. config.json gets its quantization_config
+// updated, every other field and the key order preserved.
+//
+// In place (no out_dir), the patch is crash-safe: every new file is written
+// and fsynced into CHECKPOINT/.kvcal-patch/, every original tensor of every
+// rewritten file is compared byte for byte with the source, then a journal
+// (COMMIT) is fsynced (the commit point) and the files are renamed into
+// place: tensor files, then the index, then config.json, so each
+// intermediate state loads. Killed before the commit point, the checkpoint
+// is unchanged; after it, the next PatchCheckpoint or
+// RecoverInterruptedPatch completes the renames. With out_dir, the patched
+// copy is built in OUT_DIR.kvcal-partial and renamed to OUT_DIR at the end.
+//
+// Test hook: with KVCAL_PATCH_CRASH_AT=N in the environment, the process
+// kills itself (SIGKILL) at the N-th step, simulating `kill -9` there.
+#ifndef KVCAL_CLIENT_CHECKPOINT_PATCHER_H_
+#define KVCAL_CLIENT_CHECKPOINT_PATCHER_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvcal {
+
+enum class PatchTarget { kCompressedTensors, kModelOpt, kQuark };
+
+absl::StatusOr<PatchTarget> ParsePatchTarget(absl::string_view name);
+absl::string_view PatchTargetName(PatchTarget target);
+
+inline constexpr char kScalesShardName[] = "kvcal-kv-scales.safetensors";
+inline constexpr char kPatchStagingDir[] = ".kvcal-patch";
+inline constexpr char kIndexName[] = "model.safetensors.index.json";
+
+struct PatchOptions {
+  std::string checkpoint_dir;
+  std::string scales_path;
+  // Empty: patch in place.
+  std::string out_dir;
+  PatchTarget target = PatchTarget::kCompressedTensors;
+};
+
+struct PatchReport {
+  std::string output_dir;
+  bool sharded = false;
+  // File names (relative to output_dir) written or rewritten.
+  std::vector<std::string> files_written;
+  // Scale tensors written, and how many same-named ones they replaced.
+  uint64_t scale_tensors = 0;
+  uint64_t replaced_tensors = 0;
+  // Original tensors compared byte for byte before committing.
+  uint64_t tensors_verified = 0;
+  uint64_t bytes_verified = 0;
+  // Set when an interrupted earlier patch was completed or rolled back first.
+  std::string recovered;
+};
+
+[[nodiscard]] absl::StatusOr<PatchReport> PatchCheckpoint(
+    const PatchOptions& options);
+
+// Completes (journal present) or discards (no journal) an interrupted
+// in-place patch of `checkpoint_dir`. Returns what it did, empty if nothing.
+absl::StatusOr<std::string> RecoverInterruptedPatch(
+    const std::string& checkpoint_dir);
+
+}  // namespace kvcal
+
+#endif  // KVCAL_CLIENT_CHECKPOINT_PATCHER_H_

@@ -1,0 +1,311 @@
+#include "client/uploader.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+
+namespace kvcal {
+namespace {
+
+bool Retriable(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+      return true;
+    default:
+      return false;
+  }
+}
+
+ChunkView Slice(const ChunkView& chunk, std::vector<uint64_t> shape,
+                uint32_t extra_head_offset, size_t byte_offset) {
+  ChunkView part = chunk;
+  uint64_t elements = 1;
+  for (uint64_t d : shape) elements *= d;
+  part.shape = std::move(shape);
+  part.head_offset = chunk.head_offset + extra_head_offset;
+  part.data =
+      chunk.data.subspan(byte_offset, elements * DTypeSize(chunk.dtype));
+  return part;
+}
+
+v1::IngestRequest MakeRequest(const ChunkView& chunk, uint64_t sequence,
+                              const UploaderOptions& options) {
+  v1::IngestRequest request;
+  request.set_session_id(options.session_id);
+  request.set_producer_id(options.producer_id);
+  request.set_sequence(sequence);
+  request.set_batch(chunk.batch);
+  request.set_layer(chunk.layer);
+  request.set_role(static_cast<v1::Role>(chunk.role));
+  request.set_dtype(static_cast<v1::DType>(chunk.dtype));
+  request.set_layout(static_cast<v1::Layout>(chunk.layout));
+  for (uint64_t d : chunk.shape) request.add_shape(d);
+  request.set_head_offset(chunk.head_offset);
+  request.set_data(reinterpret_cast<const char*>(chunk.data.data()),
+                   chunk.data.size());
+  return request;
+}
+
+}  // namespace
+
+std::vector<ChunkView> SplitChunk(const ChunkView& chunk, size_t max_bytes) {
+  const size_t es = DTypeSize(chunk.dtype);
+  if (chunk.data.size() <= max_bytes || chunk.shape.size() < 2) return {chunk};
+  std::vector<ChunkView> parts;
+  const uint64_t head_dim = chunk.shape.back();
+  const uint64_t row = std::max<uint64_t>(1, head_dim * es);
+  if (chunk.layout == Layout::kTokensHeadsDim) {
+    const uint64_t heads = chunk.shape[chunk.shape.size() - 2];
+    uint64_t tokens = 1;
+    for (size_t i = 0; i + 2 < chunk.shape.size(); ++i)
+      tokens *= chunk.shape[i];
+    const uint64_t token_bytes = heads * row;
+    if (token_bytes <= max_bytes) {
+      const uint64_t per = max_bytes / token_bytes;
+      for (uint64_t t = 0; t < tokens; t += per) {
+        const uint64_t n = std::min(per, tokens - t);
+        parts.push_back(Slice(chunk, {n, heads, head_dim}, 0, t * token_bytes));
+      }
+    } else {  // one token is too large: split its heads
+      const uint64_t per = std::max<uint64_t>(1, max_bytes / row);
+      for (uint64_t t = 0; t < tokens; ++t) {
+        for (uint64_t h = 0; h < heads; h += per) {
+          const uint64_t n = std::min(per, heads - h);
+          parts.push_back(Slice(chunk, {1, n, head_dim},
+                                static_cast<uint32_t>(h),
+                                t * token_bytes + h * row));
+        }
+      }
+    }
+    return parts;
+  }
+  // [batch, heads, seq, head_dim]: whole batch entries, else head ranges of
+  // one entry, else sequence ranges of one head; each range is contiguous.
+  const uint64_t batch = chunk.shape[0], heads = chunk.shape[1],
+                 seq = chunk.shape[2];
+  const uint64_t head_bytes = seq * row;
+  const uint64_t entry_bytes = heads * head_bytes;
+  if (entry_bytes <= max_bytes) {
+    const uint64_t per = max_bytes / entry_bytes;
+    for (uint64_t b = 0; b < batch; b += per) {
+      const uint64_t n = std::min(per, batch - b);
+      parts.push_back(
+          Slice(chunk, {n, heads, seq, head_dim}, 0, b * entry_bytes));
+    }
+  } else if (head_bytes <= max_bytes) {
+    const uint64_t per = max_bytes / head_bytes;
+    for (uint64_t b = 0; b < batch; ++b) {
+      for (uint64_t h = 0; h < heads; h += per) {
+        const uint64_t n = std::min(per, heads - h);
+        parts.push_back(Slice(chunk, {1, n, seq, head_dim},
+                              static_cast<uint32_t>(h),
+                              b * entry_bytes + h * head_bytes));
+      }
+    }
+  } else {
+    const uint64_t per = std::max<uint64_t>(1, max_bytes / row);
+    for (uint64_t b = 0; b < batch; ++b) {
+      for (uint64_t h = 0; h < heads; ++h) {
+        for (uint64_t s = 0; s < seq; s += per) {
+          const uint64_t n = std::min(per, seq - s);
+          parts.push_back(Slice(chunk, {1, 1, n, head_dim},
+                                static_cast<uint32_t>(h),
+                                b * entry_bytes + h * head_bytes + s * row));
+        }
+      }
+    }
+  }
+  return parts;
+}
+
+Uploader::Uploader(std::shared_ptr<grpc::Channel> channel,
+                   ConnectionOptions connection, UploaderOptions options)
+    : channel_(std::move(channel)),
+      stub_(v1::Calibration::NewStub(channel_)),
+      connection_(std::move(connection)),
+      options_(std::move(options)) {
+  if (options_.producer_id.empty()) options_.producer_id = "default";
+  if (options_.window == 0) options_.window = 1;
+  if (!options_.counters)
+    options_.counters = std::make_shared<UploadCounters>();
+}
+
+absl::StatusOr<uint64_t> Uploader::Watermark(bool wait_for_ready) {
+  grpc::ClientContext context;
+  PrepareContext(context, connection_, options_.rpc_timeout, wait_for_ready);
+  v1::GetSessionRequest request;
+  request.set_session_id(options_.session_id);
+  v1::Session session;
+  KVCAL_RETURN_IF_ERROR(
+      ToAbslStatus(stub_->GetSession(&context, request, &session),
+                   absl::StrCat("GetSession(", options_.session_id, ")")));
+  for (const v1::ProducerWatermark& p : session.producers()) {
+    if (p.producer_id() == options_.producer_id) return p.sequence();
+  }
+  return 0;
+}
+
+absl::StatusOr<UploadResult> Uploader::Upload(
+    absl::Span<const ChunkView> tensors) {
+  std::vector<ChunkView> chunks;
+  for (const ChunkView& t : tensors) {
+    for (ChunkView& part : SplitChunk(t, options_.max_chunk_bytes)) {
+      chunks.push_back(std::move(part));
+    }
+  }
+  const uint64_t n = chunks.size();
+  // bytes_before[s] = data bytes of chunks 1..s.
+  std::vector<uint64_t> bytes_before(n + 1, 0);
+  for (uint64_t i = 0; i < n; ++i) {
+    bytes_before[i + 1] = bytes_before[i] + chunks[i].data.size();
+  }
+  UploadResult result;
+  result.chunks = n;
+  result.bytes = bytes_before[n];
+  UploadCounters& counters = *options_.counters;
+  const std::string who = absl::StrCat("session ", options_.session_id,
+                                       ", producer ", options_.producer_id);
+
+  KVCAL_ASSIGN_OR_RETURN(uint64_t acked, Watermark(/*wait_for_ready=*/true));
+  if (acked > 0 && !options_.resume) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, " already has ", acked,
+        " chunks applied; use a new producer name, or resume to finish an "
+        "interrupted push of the same dump"));
+  }
+  if (acked > n) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, " has ", acked, " chunks applied but this dump makes only ", n,
+        ": not the same dump (or a different chunk size)"));
+  }
+  result.chunks_skipped = acked;
+  counters.chunks_acked = acked;
+  counters.bytes_acked = bytes_before[acked];
+
+  int attempts = 0;
+  absl::Duration backoff = options_.initial_backoff;
+  absl::Status last_error;
+  while (acked < n) {
+    const uint64_t start = acked + 1;
+    grpc::ClientContext context;
+    PrepareContext(context, connection_, absl::InfiniteDuration());
+    std::unique_ptr<
+        grpc::ClientReaderWriter<v1::IngestRequest, v1::IngestResponse>>
+        stream = stub_->Ingest(&context);
+
+    std::mutex mu;
+    std::condition_variable cv;
+    uint64_t stream_acked = start - 1;  // guarded by mu
+    bool stop = false;                  // guarded by mu
+    uint64_t sent = 0;
+    std::thread writer([&] {
+      for (uint64_t seq = start; seq <= n; ++seq) {
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          cv.wait(lock, [&] {
+            return stop || seq - stream_acked <= options_.window;
+          });
+          if (stop) return;
+        }
+        if (!stream->Write(MakeRequest(chunks[seq - 1], seq, options_))) return;
+        ++sent;
+      }
+      stream->WritesDone();
+    });
+
+    absl::Status protocol_error;
+    v1::IngestResponse response;
+    uint64_t expected = start;
+    bool cut = false;
+    while (stream->Read(&response)) {
+      if (response.sequence() != expected) {
+        protocol_error = absl::InternalError(
+            absl::StrCat(who, ": worker acknowledged sequence ",
+                         response.sequence(), " where ", expected, " was due"));
+        break;
+      }
+      if (response.applied()) {
+        ++result.chunks_applied;
+      } else {
+        ++result.chunks_duplicate;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        stream_acked = expected;
+      }
+      cv.notify_one();
+      acked = expected;
+      counters.chunks_acked = acked;
+      counters.bytes_acked = bytes_before[acked];
+      ++expected;
+      if (options_.on_ack && !options_.on_ack(acked)) {
+        cut = true;
+        break;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_one();
+    if (acked < n || !protocol_error.ok()) context.TryCancel();
+    writer.join();
+    result.chunks_sent += sent;
+    const grpc::Status finish = stream->Finish();
+    if (!protocol_error.ok()) return protocol_error;
+    absl::Status status = ToAbslStatus(
+        finish,
+        absl::StrCat("Ingest (", who, ", at sequence ", acked + 1, ")"));
+    if (acked == n && (status.ok() || cut)) break;
+    if (status.ok()) {
+      status = absl::UnavailableError(
+          absl::StrCat("Ingest (", who, "): stream ended after sequence ",
+                       acked, " of ", n));
+    }
+    if (!Retriable(status) && !cut) return status;
+    last_error = status;
+
+    // Reconnect: back off, then learn what the worker holds and go on from
+    // there. A stream that made progress resets the attempt count.
+    if (acked >= start) {
+      attempts = 0;
+      backoff = options_.initial_backoff;
+    }
+    if (++attempts > options_.max_attempts) {
+      return absl::UnavailableError(absl::StrCat(
+          who, ": gave up after ", options_.max_attempts,
+          " attempts without progress; last error: ", last_error.message()));
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, options_.max_backoff);
+    ++result.reconnects;
+    ++counters.reconnects;
+    absl::StatusOr<uint64_t> watermark = Watermark(/*wait_for_ready=*/true);
+    if (!watermark.ok()) {
+      if (!Retriable(watermark.status())) return watermark.status();
+      last_error = watermark.status();
+      continue;
+    }
+    if (*watermark > n) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(who, ": worker watermark ", *watermark, " beyond the ",
+                       n, " chunks of this upload"));
+    }
+    acked = *watermark;  // may be lower than acknowledged: a restored worker
+    counters.chunks_acked = acked;
+    counters.bytes_acked = bytes_before[acked];
+  }
+  return result;
+}
+
+}  // namespace kvcal

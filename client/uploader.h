@@ -1,0 +1,99 @@
+// Streams activation chunks into one session on one worker, exactly once.
+//
+//   kvcal::UploaderOptions options{.session_id = "run-7", .producer_id =
+//   "rank0"}; kvcal::Uploader uploader(channel, connection, options);
+//   KVCAL_ASSIGN_OR_RETURN(kvcal::UploadResult result,
+//                          uploader.Upload(tensors));  // every chunk acked
+//
+// Tensors larger than `max_chunk_bytes` are split into token ranges (then
+// head ranges, then sequence ranges, as the layout allows) with SplitChunk;
+// the chunks are numbered 1..N for the producer. Upload keeps at most
+// `window` chunks unacknowledged on the bidi Ingest stream. When the stream
+// breaks (worker restarted, connection cut), it backs off, asks GetSession
+// for the producer's watermark and resends only the chunks above it; it
+// returns once the worker acknowledged chunk N, or with a status saying what
+// failed and at which sequence.
+//
+// Numbering is deterministic, so a push that died can be run again with
+// `resume`: chunks at or below the producer's watermark are skipped. Without
+// `resume`, a producer that already has chunks applied is refused, since its
+// new chunks would be taken for duplicates.
+#ifndef KVCAL_CLIENT_UPLOADER_H_
+#define KVCAL_CLIENT_UPLOADER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "client/connection.h"
+#include "kernels/types.h"
+#include "kvcal/v1/calibration.grpc.pb.h"
+
+namespace kvcal {
+
+// Progress counters shared with a reporter thread.
+struct UploadCounters {
+  std::atomic<uint64_t> chunks_acked{0};
+  std::atomic<uint64_t> bytes_acked{0};
+  std::atomic<uint64_t> reconnects{0};
+};
+
+struct UploaderOptions {
+  std::string session_id;
+  std::string producer_id = "default";
+  size_t max_chunk_bytes = size_t{4} << 20;
+  size_t window = 16;
+  bool resume = false;
+  // Attempts without progress before giving up.
+  int max_attempts = 8;
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(5);
+  // Deadline of GetSession and of each wait for a worker to come back.
+  absl::Duration rpc_timeout = absl::Seconds(30);
+  std::shared_ptr<UploadCounters> counters;
+  // Test hook, called on the reader thread after each acknowledgement with
+  // its sequence; returning false cuts the stream (as a network failure
+  // would) and the uploader recovers.
+  std::function<bool(uint64_t sequence)> on_ack;
+};
+
+struct UploadResult {
+  uint64_t chunks = 0;            // N, after splitting
+  uint64_t chunks_skipped = 0;    // at or below the watermark at start
+  uint64_t chunks_sent = 0;       // including resends
+  uint64_t chunks_applied = 0;    // acked with applied = true
+  uint64_t chunks_duplicate = 0;  // acked with applied = false
+  uint64_t bytes = 0;             // data bytes of all N chunks
+  uint64_t reconnects = 0;
+};
+
+// Splits one tensor into chunks of at most `max_bytes` of data (never
+// smaller than one head_dim row). Chunks share `chunk.data`.
+std::vector<ChunkView> SplitChunk(const ChunkView& chunk, size_t max_bytes);
+
+class Uploader {
+ public:
+  Uploader(std::shared_ptr<grpc::Channel> channel, ConnectionOptions connection,
+           UploaderOptions options);
+
+  [[nodiscard]] absl::StatusOr<UploadResult> Upload(
+      absl::Span<const ChunkView> tensors);
+
+ private:
+  absl::StatusOr<uint64_t> Watermark(bool wait_for_ready);
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Calibration::Stub> stub_;
+  ConnectionOptions connection_;
+  UploaderOptions options_;
+};
+
+}  // namespace kvcal
+
+#endif  // KVCAL_CLIENT_UPLOADER_H_
