@@ -29,8 +29,9 @@
 
 namespace kvcal {
 
-inline constexpr int kHistogramMinExponent = -24;  // first exactly binned octave
-inline constexpr int kHistogramMaxExponent = 24;   // first overflow octave
+inline constexpr int kHistogramMinExponent =
+    -24;                                          // first exactly binned octave
+inline constexpr int kHistogramMaxExponent = 24;  // first overflow octave
 inline constexpr int kHistogramOctaves =
     kHistogramMaxExponent - kHistogramMinExponent;
 inline constexpr uint32_t kZeroBin = 0;
@@ -112,8 +113,10 @@ KVCAL_HOST_DEVICE uint32_t HistogramBin(float x,
   const uint32_t bits = FloatBits(x) & 0x7fffffffu;
   if (bits == 0) return kZeroBin;
   const uint32_t biased_exponent = bits >> 23;
-  constexpr uint32_t kLowest = 127u + kHistogramMinExponent;   // 103
-  constexpr uint32_t kHighest = 127u + kHistogramMaxExponent;  // 151
+  constexpr uint32_t kLowest =
+      static_cast<uint32_t>(127 + kHistogramMinExponent);  // 103
+  constexpr uint32_t kHighest =
+      static_cast<uint32_t>(127 + kHistogramMaxExponent);  // 151
   if (biased_exponent < kLowest) return kUnderflowBin;
   if (biased_exponent >= kHighest) {
     return HistogramBinCount(log2_bins_per_octave) - 1u;
@@ -128,12 +131,15 @@ KVCAL_HOST_DEVICE float HistogramBinLowerEdge(uint32_t bin,
                                               uint32_t log2_bins_per_octave) {
   if (bin <= kUnderflowBin) return bin == kZeroBin ? 0.0f : 0.0f;
   const uint32_t overflow = HistogramBinCount(log2_bins_per_octave) - 1u;
-  if (bin >= overflow) return BitsToFloat((127u + kHistogramMaxExponent) << 23);
+  if (bin >= overflow)
+    return BitsToFloat((static_cast<uint32_t>(127 + kHistogramMaxExponent))
+                       << 23);
   const uint32_t index = bin - kFirstOctaveBin;
   const uint32_t octave = index >> log2_bins_per_octave;
   const uint32_t sub = index & ((1u << log2_bins_per_octave) - 1u);
-  return BitsToFloat(((127u + kHistogramMinExponent + octave) << 23) |
-                     (sub << (23u - log2_bins_per_octave)));
+  return BitsToFloat(
+      ((static_cast<uint32_t>(127 + kHistogramMinExponent) + octave) << 23) |
+      (sub << (23u - log2_bins_per_octave)));
 }
 
 // Exclusive upper edge of `bin`: the lower edge of the next bin. For the zero
@@ -142,7 +148,8 @@ KVCAL_HOST_DEVICE float HistogramBinUpperEdge(uint32_t bin,
                                               uint32_t log2_bins_per_octave) {
   if (bin == kZeroBin) return 0.0f;
   if (bin == kUnderflowBin) {
-    return BitsToFloat((127u + kHistogramMinExponent) << 23);
+    return BitsToFloat((static_cast<uint32_t>(127 + kHistogramMinExponent))
+                       << 23);
   }
   const uint32_t overflow = HistogramBinCount(log2_bins_per_octave) - 1u;
   if (bin >= overflow) return BitsToFloat(0x7f800000u);

@@ -1,5 +1,6 @@
 #include "kernels/types.h"
 
+#include <algorithm>
 #include <bit>
 
 #include "absl/strings/str_cat.h"
@@ -49,10 +50,10 @@ absl::Status Geometry::Validate() const {
                      "], got ", num_key_value_heads));
   }
   if (num_attention_heads % num_key_value_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "num_attention_heads (", num_attention_heads,
-        ") must be a multiple of num_key_value_heads (", num_key_value_heads,
-        ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_attention_heads (", num_attention_heads,
+                     ") must be a multiple of num_key_value_heads (",
+                     num_key_value_heads, ")"));
   }
   if (head_dim < 1 || head_dim > kMaxHeadDim) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -103,10 +104,9 @@ std::string Geometry::DebugString() const {
   std::vector<absl::string_view> names;
   for (Role role : roles()) names.push_back(RoleName(role));
   return absl::StrCat("layers=", num_layers, " q_heads=", num_attention_heads,
-                      " kv_heads=", num_key_value_heads,
-                      " head_dim=", head_dim,
-                      " bins_per_octave=", bins_per_octave, " roles=",
-                      absl::StrJoin(names, ""));
+                      " kv_heads=", num_key_value_heads, " head_dim=", head_dim,
+                      " bins_per_octave=", bins_per_octave,
+                      " roles=", absl::StrJoin(names, ""));
 }
 
 namespace {
@@ -140,9 +140,9 @@ absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
         absl::StrCat("unknown layout ", layout_value));
   }
   if (chunk.layer >= geometry.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", chunk.layer, " is out of range: the session has ",
-                     geometry.num_layers, " layers"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", chunk.layer, " is out of range: the session has ",
+        geometry.num_layers, " layers"));
   }
   if (!geometry.collects(chunk.role)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -183,8 +183,13 @@ absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
         ") of shape ", shape_text, " exceed the ", role_heads, " ",
         RoleName(chunk.role), " heads of the session"));
   }
-  uint64_t elements = 1;
+  // A zero dimension makes the product 0 whatever the other dimensions are,
+  // so the overflow check must not depend on where the zero stands.
+  const bool empty =
+      std::find(shape.begin(), shape.end(), uint64_t{0}) != shape.end();
+  uint64_t elements = empty ? 0 : 1;
   for (uint64_t dim : shape) {
+    if (empty) break;
     if (!CheckedMul(elements, dim, &elements)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "element count of shape ", shape_text, " overflows 64 bits"));
@@ -192,8 +197,8 @@ absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
   }
   uint64_t expected_bytes = 0;
   if (!CheckedMul(elements, DTypeSize(chunk.dtype), &expected_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "byte count of shape ", shape_text, " overflows 64 bits"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte count of shape ", shape_text, " overflows 64 bits"));
   }
   if (chunk.data.size() != expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(

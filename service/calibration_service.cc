@@ -9,6 +9,7 @@
 #include "service/grpc_status.h"
 #include "service/log.h"
 #include "service/proto_convert.h"
+#include "service/session_persister.h"
 
 namespace kvcal::service {
 namespace {
@@ -119,6 +120,9 @@ grpc::ServerUnaryReactor* CalibrationService::DeleteSession(
     pb::DeleteSessionResponse* /*response*/) {
   return Unary(context, "DeleteSession", /*offload=*/false,
                [this, request]() -> absl::Status {
+                 if (persister_ != nullptr) {
+                   return persister_->Delete(request->session_id());
+                 }
                  return registry_.Delete(request->session_id());
                });
 }
@@ -199,6 +203,7 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
   response.set_sequence(request.sequence());
   response.set_applied(outcome->applied);
   response.set_watermark(outcome->watermark);
+  response.set_durable_watermark(outcome->durable_watermark);
   return response;
 }
 
@@ -223,7 +228,10 @@ class IngestReactor final
                 grpc::CallbackServerContext* context)
       : service_(service), start_(Clock::now()) {
     service_->metrics_.StreamOpened();
-    absl::Status auth = service_->Authorize(context);
+    absl::Status auth =
+        service_->RegisterStream(this)
+            ? service_->Authorize(context)
+            : absl::UnavailableError("the worker is shutting down");
     if (!auth.ok()) {
       service_->metrics_.RecordReject(static_cast<int>(auth.code()));
       finished_ = true;
@@ -281,10 +289,29 @@ class IngestReactor final
     MaybeFinish();
   }
 
+  // Stops reading; chunks already received are applied and answered, then
+  // the stream ends with UNAVAILABLE.
+  void Drain() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (draining_ || finished_) return;
+      draining_ = true;
+    }
+    MaybeFinish();
+  }
+
   void OnDone() override {
+    service_->UnregisterStream(this);
     service_->metrics_.RecordLatency("Ingest", SecondsSince(start_));
     service_->metrics_.StreamClosed();
-    delete this;
+    Unref();
+  }
+
+  // gRPC holds one reference until OnDone; DrainStreams holds one while it
+  // drains a stream outside its lock.
+  void Ref() { refs_.fetch_add(1); }
+  void Unref() {
+    if (refs_.fetch_sub(1) == 1) delete this;
   }
 
  private:
@@ -306,9 +333,20 @@ class IngestReactor final
   // mu_ held. True (once) when the stream is to be finished with *status.
   bool ShouldFinishLocked(grpc::Status* status) {
     if (finished_ || applying_ || writing_ || !writes_.empty()) return false;
-    if (!failed_ && !(read_closed_ && pending_.empty())) return false;
+    const bool drained = draining_ && pending_.empty();
+    if (!failed_ && !drained && !(read_closed_ && pending_.empty())) {
+      return false;
+    }
     finished_ = true;
-    *status = failed_ ? final_status_ : grpc::Status::OK;
+    if (failed_) {
+      *status = final_status_;
+    } else if (drained && !read_closed_) {
+      *status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                             "the worker is shutting down; every chunk "
+                             "acknowledged on this stream is applied");
+    } else {
+      *status = grpc::Status::OK;
+    }
     return true;
   }
 
@@ -316,7 +354,9 @@ class IngestReactor final
     pb::IngestRequest* target = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (reading_ || read_closed_ || failed_ || finished_) return;
+      if (reading_ || read_closed_ || failed_ || finished_ || draining_) {
+        return;
+      }
       if (static_cast<int>(pending_.size()) >=
           service_->options_.max_pending_per_stream) {
         return;  // resumed by ApplyLoop
@@ -421,10 +461,41 @@ class IngestReactor final
   bool applying_ = false;
   bool writing_ = false;
   bool failed_ = false;
+  bool draining_ = false;
   bool finished_ = false;
+  std::atomic<int> refs_{1};
   grpc::Status final_status_;
   grpc::Status final_for_finish_;  // handed from ApplyLoop's lock to Finish
 };
+
+bool CalibrationService::RegisterStream(IngestReactor* reactor) {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  streams_.insert(reactor);
+  return !draining_;
+}
+
+void CalibrationService::UnregisterStream(IngestReactor* reactor) {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  streams_.erase(reactor);
+}
+
+void CalibrationService::DrainStreams() {
+  std::vector<IngestReactor*> streams;
+  {
+    // A registered reactor has not passed OnDone's unregistration, so the
+    // reference taken here keeps it alive until Unref below.
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    draining_ = true;
+    for (IngestReactor* reactor : streams_) {
+      reactor->Ref();
+      streams.push_back(reactor);
+    }
+  }
+  for (IngestReactor* reactor : streams) {
+    reactor->Drain();
+    reactor->Unref();
+  }
+}
 
 grpc::ServerBidiReactor<pb::IngestRequest, pb::IngestResponse>*
 CalibrationService::Ingest(grpc::CallbackServerContext* context) {

@@ -11,7 +11,9 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
 
 #include "kvcal/v1/calibration.grpc.pb.h"
 #include "service/auth.h"
@@ -34,6 +36,9 @@ struct ServiceOptions {
   int max_pending_per_stream = 4;
 };
 
+class IngestReactor;
+class SessionPersister;
+
 class CalibrationService final
     : public kvcal::v1::Calibration::CallbackService {
  public:
@@ -41,6 +46,14 @@ class CalibrationService final
   ~CalibrationService() override;
 
   SessionRegistry& registry() { return registry_; }
+
+  // Shutdown, first step: every open Ingest stream stops reading, applies
+  // the chunks it already received, sends their responses and ends with
+  // UNAVAILABLE so that producers reconnect (to this worker once restarted,
+  // or another one).
+  void DrainStreams();
+  // With --state-dir, deletions also remove the session's file.
+  void set_persister(SessionPersister* persister) { persister_ = persister; }
   Metrics& metrics() { return metrics_; }
 
   grpc::ServerUnaryReactor* CreateSession(
@@ -76,6 +89,9 @@ class CalibrationService final
 
  private:
   friend class IngestReactor;
+  // False when the worker is draining (the stream then ends at once).
+  bool RegisterStream(IngestReactor* reactor);
+  void UnregisterStream(IngestReactor* reactor);
 
   absl::Status Authorize(grpc::CallbackServerContext* context) const;
   // Runs `body` (inline or on the executor), records latency and rejects,
@@ -93,9 +109,13 @@ class CalibrationService final
 
   ServiceOptions options_;
   SessionRegistry registry_;
+  SessionPersister* persister_ = nullptr;
   Metrics metrics_;
   std::atomic<int64_t> inflight_bytes_{0};
   std::atomic<int64_t> last_backpressure_log_{0};
+  std::mutex streams_mu_;
+  std::set<IngestReactor*> streams_;  // guarded by streams_mu_
+  bool draining_ = false;             // guarded by streams_mu_
   Executor executor_;
 };
 

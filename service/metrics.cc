@@ -45,6 +45,18 @@ void Metrics::StreamOpened() { streams_.fetch_add(1); }
 void Metrics::StreamClosed() { streams_.fetch_sub(1); }
 void Metrics::SetInflightBytes(uint64_t bytes) { inflight_bytes_ = bytes; }
 
+void Metrics::RecordPersistFailure(const std::string& error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!error.empty()) ++persist_failures_;
+  persist_error_ = error;
+}
+
+std::string Metrics::HealthDetail() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (persist_error_.empty()) return "";
+  return absl::StrCat("state persistence failing: ", persist_error_);
+}
+
 void Metrics::SetSessionGauge(std::function<uint64_t()> active_sessions) {
   std::lock_guard<std::mutex> lock(mu_);
   active_sessions_ = std::move(active_sessions);
@@ -78,6 +90,11 @@ std::string Metrics::Render() const {
     gauge("kvcal_sessions_active", "Sessions held by this worker.",
           static_cast<int64_t>(active_sessions_()));
   }
+  counter("kvcal_state_persist_failures_total",
+          "Failed writes of session state to --state-dir.", persist_failures_);
+  gauge("kvcal_state_persist_healthy",
+        "1 when the last state write round succeeded.",
+        persist_error_.empty() ? 1 : 0);
   absl::StrAppend(&out,
                   "# HELP kvcal_rejects_total Requests rejected, by gRPC "
                   "status code.\n# TYPE kvcal_rejects_total counter\n");
@@ -166,7 +183,9 @@ void MetricsHttpServer::Serve() {
       if (std::strncmp(request, "GET /metrics", 12) == 0) {
         body = metrics_->Render();
       } else if (std::strncmp(request, "GET /healthz", 12) == 0) {
-        body = "ok\n";
+        const std::string detail = metrics_->HealthDetail();
+        body =
+            detail.empty() ? "ok\n" : absl::StrCat("degraded: ", detail, "\n");
       } else {
         status = "404 Not Found";
         body = "try /metrics\n";

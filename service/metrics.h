@@ -35,6 +35,10 @@ class Metrics {
   void StreamOpened();
   void StreamClosed();
   void SetInflightBytes(uint64_t bytes);
+  // A failed state write (non-empty error) or a successful round (empty).
+  void RecordPersistFailure(const std::string& error);
+  // Empty when healthy, else why the worker is degraded.
+  std::string HealthDetail() const;
   // Gauges read at exposition time.
   void SetSessionGauge(std::function<uint64_t()> active_sessions);
 
@@ -59,6 +63,8 @@ class Metrics {
   std::map<int, uint64_t> rejects_;                        // guarded by mu_
   std::map<std::string, Histogram, std::less<>> latency_;  // guarded by mu_
   std::function<uint64_t()> active_sessions_;              // guarded by mu_
+  uint64_t persist_failures_ = 0;                          // guarded by mu_
+  std::string persist_error_;                              // guarded by mu_
 };
 
 // A minimal HTTP/1.0 server answering GET /metrics (and /healthz) on one

@@ -93,7 +93,8 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
   }
   std::lock_guard<std::mutex> lock(producer->mu);
   if (sequence <= producer->watermark) {
-    return IngestOutcome{false, producer->watermark};
+    return IngestOutcome{false, producer->watermark,
+                         producer->durable_watermark};
   }
   if (sequence != producer->watermark + 1) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -108,7 +109,17 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
   chunks_applied_.fetch_add(1, std::memory_order_relaxed);
   values_ingested_.fetch_add(extent->elements(), std::memory_order_relaxed);
   bytes_ingested_.fetch_add(chunk.data.size(), std::memory_order_relaxed);
-  return IngestOutcome{true, sequence};
+  return IngestOutcome{true, sequence, producer->durable_watermark};
+}
+
+void Session::MarkDurable(const std::vector<ProducerInfo>& producers) {
+  for (const ProducerInfo& info : producers) {
+    Producer* producer = FindProducer(info.producer_id, false);
+    if (producer == nullptr) continue;
+    std::lock_guard<std::mutex> lock(producer->mu);
+    producer->durable_watermark =
+        std::max(producer->durable_watermark, info.watermark);
+  }
 }
 
 std::vector<ProducerInfo> Session::ProducerInfos() {

@@ -68,6 +68,8 @@ struct SessionSnapshot {
 struct IngestOutcome {
   bool applied = false;
   uint64_t watermark = 0;
+  // The producer's highest sequence on disk (0 without --state-dir).
+  uint64_t durable_watermark = 0;
 };
 
 // "default" for an empty producer id.
@@ -107,6 +109,16 @@ class Session {
   // watermark becomes the larger of the two.
   absl::Status Merge(const SessionSnapshot& snapshot,
                      absl::string_view import_id);
+
+  // Records that `producers` (watermarks of a snapshot now on disk) are
+  // durable: each producer's durable watermark becomes at least that.
+  void MarkDurable(const std::vector<ProducerInfo>& producers);
+
+  // Changes with every applied chunk and merge: a persister compares it with
+  // the value at its last save.
+  uint64_t change_count() const {
+    return chunks_applied_.load() + generation_.load();
+  }
 
   // Bytes of statistics state held.
   uint64_t state_bytes() const { return backend_->StateBytes(); }

@@ -104,6 +104,19 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   }
 
   worker->service_ = std::make_unique<CalibrationService>(service_options);
+  if (!options.state_dir.empty()) {
+    worker->persister_ = std::make_unique<SessionPersister>(
+        &worker->service_->registry(), &worker->service_->metrics(),
+        StateStore(options.state_dir), options.snapshot_interval);
+    KVCAL_RETURN_IF_ERROR(worker->persister_->Restore());
+    worker->service_->set_persister(worker->persister_.get());
+    worker->persister_->Start();
+    KVCAL_LOG(INFO) << "durable sessions in " << options.state_dir << " (every "
+                    << options.snapshot_interval.count() << " ms when changed)";
+  } else {
+    KVCAL_LOG(INFO) << "no --state-dir: sessions live in memory only; a "
+                       "worker crash loses them";
+  }
   KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                          Credentials(options));
 
@@ -113,6 +126,10 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   builder.AddListeningPort(options.listen, credentials, &worker->port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
+  // The health and reflection services are synchronous; their pollers wake
+  // this often, which bounds how long Shutdown waits for them.
+  builder.SetSyncServerOption(
+      grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 100);
   builder.RegisterService(worker->service_.get());
   worker->server_ = builder.BuildAndStart();
   if (worker->server_ == nullptr || worker->port_ == 0) {
@@ -144,8 +161,18 @@ void Worker::Shutdown(std::chrono::milliseconds grace) {
   shut_down_ = true;
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   health->SetServingStatus(false);
+  service_->DrainStreams();
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   server_->Wait();
+  if (persister_) {
+    persister_->Stop();
+    absl::Status saved = persister_->SaveAll();
+    if (saved.ok()) {
+      KVCAL_LOG(INFO) << "all sessions written to the state dir";
+    } else {
+      KVCAL_LOG(ERROR) << "final state write failed: " << saved.message();
+    }
+  }
   if (metrics_http_) metrics_http_->Stop();
 }
 

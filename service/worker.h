@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "service/calibration_service.h"
+#include "service/session_persister.h"
 
 namespace kvcal::service {
 
@@ -36,6 +37,10 @@ struct WorkerOptions {
   std::string metrics_listen;
   int executor_threads = 0;  // 0 = hardware concurrency
   uint64_t max_inflight_bytes = 256ull << 20;
+  // Durable sessions: restored at start, written every snapshot_interval
+  // when changed, on DeleteSession and on Shutdown. Empty = off.
+  std::string state_dir;
+  std::chrono::milliseconds snapshot_interval{10000};
 };
 
 class Worker {
@@ -57,6 +62,7 @@ class Worker {
  private:
   Worker() = default;
   std::unique_ptr<CalibrationService> service_;
+  std::unique_ptr<SessionPersister> persister_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::string backend_name_;

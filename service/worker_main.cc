@@ -72,6 +72,13 @@ int main(int argc, char** argv) {
                  "PEM CA for client certificates (mutual TLS)");
   app.add_option("--metrics-listen", options.metrics_listen,
                  "host:port for Prometheus /metrics (off when empty)");
+  app.add_option("--state-dir", options.state_dir,
+                 "keep sessions durable in this directory (restored at start)");
+  int snapshot_interval_ms = 10000;
+  app.add_option("--snapshot-interval-ms", snapshot_interval_ms,
+                 "how often changed sessions are written to --state-dir")
+      ->check(CLI::Range(10, 3600000))
+      ->capture_default_str();
   app.add_option("--port-file", port_file,
                  "write the bound port here once serving");
   app.add_option("--shutdown-grace-ms", shutdown_grace_ms,
@@ -79,6 +86,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
+  options.snapshot_interval = std::chrono::milliseconds(snapshot_interval_ms);
   auto kind = kvcal::ParseBackendKind(backend);
   options.backend = *kind;
 

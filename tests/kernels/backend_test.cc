@@ -551,6 +551,27 @@ TYPED_TEST(BackendTest, InvalidChunksAreRejectedAndChangeNothing) {
   EXPECT_TRUE(base.chunk->GuardsIntact());
 }
 
+// A zero dimension anywhere makes an empty chunk: valid, whatever the size
+// of the other leading dimensions, and it changes no statistic.
+TYPED_TEST(BackendTest, ZeroDimensionMakesAnEmptyChunkWhereverItStands) {
+  constexpr uint64_t kBig = uint64_t{1} << 40;
+  const Geometry g = MakeGeometry(1, 2, 2, 16, 16);
+  auto backend = this->Make(g);
+  ASSERT_NE(backend, nullptr);
+  const SessionStatistics before = this->Snap(*backend);
+  for (std::vector<uint64_t> shape :
+       {std::vector<uint64_t>{kBig, kBig, 0, 2, 16},
+        std::vector<uint64_t>{0, kBig, kBig, 2, 16}}) {
+    ChunkView view;
+    view.layer = 0;
+    view.role = Role::kQ;
+    view.dtype = this->kDType;
+    view.shape = shape;
+    EXPECT_THAT(backend->Accumulate(view), IsOk());
+  }
+  EXPECT_EQ(before, this->Snap(*backend));
+}
+
 TYPED_TEST(BackendTest, MergeOfOtherGeometryIsRejectedAndChangesNothing) {
   Rng rng(9);
   const Geometry g = MakeGeometry(1, 2, 2, 16, 16);

@@ -932,3 +932,189 @@ TEST_F(WorkerTlsTest, ServesTlsAndMutualTls) {
 
 }  // namespace
 }  // namespace kvcal
+
+namespace kvcal {
+namespace {
+
+// --- Durable sessions (--state-dir) -----------------------------------------
+
+class DurableTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("kvcal-state-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::unique_ptr<WorkerProcess> StartWorker(int interval_ms) {
+    auto worker = std::make_unique<WorkerProcess>(std::vector<std::string>{
+        "--state-dir", (dir_ / "state").string(), "--snapshot-interval-ms",
+        std::to_string(interval_ms)});
+    EXPECT_TRUE(worker->ok()) << worker->error();
+    return worker;
+  }
+
+  static pb::Session GetSession(pb::Calibration::Stub* stub,
+                                const std::string& id, grpc::Status* status) {
+    grpc::ClientContext context;
+    pb::GetSessionRequest request;
+    request.set_session_id(id);
+    pb::Session session;
+    *status = stub->GetSession(&context, request, &session);
+    return session;
+  }
+
+  static std::string ExportStatistics(pb::Calibration::Stub* stub,
+                                      const std::string& id) {
+    grpc::ClientContext context;
+    pb::ExportStateRequest request;
+    request.set_session_id(id);
+    pb::SessionState state;
+    EXPECT_TRUE(stub->ExportState(&context, request, &state).ok());
+    return state.statistics();
+  }
+
+  // Polls until the producer's durable sequence reaches `sequence`.
+  static bool WaitDurable(pb::Calibration::Stub* stub, const std::string& id,
+                          uint64_t sequence) {
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline) {
+      grpc::Status status;
+      pb::Session s = GetSession(stub, id, &status);
+      if (status.ok() && s.producers_size() == 1 &&
+          s.producers(0).durable_sequence() >= sequence) {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  void CreateOn(pb::Calibration::Stub* stub, const std::string& id) {
+    grpc::ClientContext context;
+    pb::Session session;
+    ASSERT_TRUE(
+        stub->CreateSession(&context, CreateRequest(id), &session).ok());
+  }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(DurableTest, KilledWorkerRestoresEverythingThatWasDurable) {
+  std::string statistics;
+  const auto chunks = Numbered(Workload("s", 2, 16), "p");
+  {
+    auto worker = StartWorker(50);
+    auto stub = pb::Calibration::NewStub(worker->Channel());
+    CreateOn(stub.get(), "s");
+    ASSERT_TRUE(IngestAll(stub.get(), chunks).status.ok());
+    ASSERT_TRUE(WaitDurable(stub.get(), "s", chunks.size()))
+        << "durable watermark never reached the watermark";
+    statistics = ExportStatistics(stub.get(), "s");
+    // A later duplicate reports the durable watermark.
+    auto dup = chunks;
+    dup.resize(1);
+    StreamResult again = IngestAll(stub.get(), dup);
+    ASSERT_EQ(again.responses.size(), 1u);
+    EXPECT_EQ(again.responses[0].durable_watermark(), chunks.size());
+    ASSERT_NE(worker->SignalAndWait(SIGKILL, std::chrono::seconds(10)), -1);
+  }
+  auto worker = StartWorker(50);
+  auto stub = pb::Calibration::NewStub(worker->Channel());
+  grpc::Status status;
+  pb::Session restored = GetSession(stub.get(), "s", &status);
+  ASSERT_TRUE(status.ok()) << status.error_message() << worker->ReadLog();
+  EXPECT_EQ(restored.chunks_applied(), chunks.size());
+  ASSERT_EQ(restored.producers_size(), 1);
+  EXPECT_EQ(restored.producers(0).sequence(), chunks.size());
+  EXPECT_EQ(restored.producers(0).durable_sequence(), chunks.size());
+  EXPECT_EQ(ExportStatistics(stub.get(), "s"), statistics);
+}
+
+TEST_F(DurableTest, SigtermWritesStateAndDeleteRemovesIt) {
+  {
+    // An interval far longer than the test: only SIGTERM writes.
+    auto worker = StartWorker(3600000);
+    auto stub = pb::Calibration::NewStub(worker->Channel());
+    CreateOn(stub.get(), "kept");
+    CreateOn(stub.get(), "dropped");
+    ASSERT_TRUE(IngestAll(stub.get(), Numbered(Workload("kept", 1, 4), "p"))
+                    .status.ok());
+    grpc::ClientContext context;
+    pb::DeleteSessionRequest request;
+    request.set_session_id("dropped");
+    pb::DeleteSessionResponse response;
+    ASSERT_TRUE(stub->DeleteSession(&context, request, &response).ok());
+    const int exit = worker->SignalAndWait(SIGTERM, std::chrono::seconds(30));
+    ASSERT_TRUE(WIFEXITED(exit) && WEXITSTATUS(exit) == 0) << worker->ReadLog();
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "state" / "kept.kvstate"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "state" / "dropped.kvstate"));
+  auto worker = StartWorker(3600000);
+  auto stub = pb::Calibration::NewStub(worker->Channel());
+  grpc::Status status;
+  EXPECT_EQ(GetSession(stub.get(), "kept", &status).chunks_applied(), 6u);
+  GetSession(stub.get(), "dropped", &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(DurableTest, CorruptStateIsMovedAsideAndTheWorkerStarts) {
+  std::filesystem::create_directories(dir_ / "state");
+  std::ofstream(dir_ / "state" / "broken.kvstate") << "KVCALSS1 garbage";
+  {
+    auto worker = StartWorker(50);
+    auto stub = pb::Calibration::NewStub(worker->Channel());
+    CreateOn(stub.get(), "good");
+    ASSERT_TRUE(IngestAll(stub.get(), Numbered(Workload("good", 1, 2), "p"))
+                    .status.ok());
+    ASSERT_TRUE(WaitDurable(stub.get(), "good", 6));
+    EXPECT_THAT(worker->ReadLog(), HasSubstr("moved aside"));
+  }
+  bool moved = false;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(dir_ / "state")) {
+    moved |=
+        entry.path().filename().string().starts_with("broken.kvstate.corrupt-");
+  }
+  EXPECT_TRUE(moved);
+  // A truncated good file is also set aside, not fatal.
+  const auto good = dir_ / "state" / "good.kvstate";
+  std::filesystem::resize_file(good, std::filesystem::file_size(good) / 2);
+  auto worker = StartWorker(50);
+  auto stub = pb::Calibration::NewStub(worker->Channel());
+  grpc::Status status;
+  GetSession(stub.get(), "good", &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(worker->ReadLog(), HasSubstr("truncated"));
+}
+
+TEST_F(DurableTest, UnwritableStateDirKeepsServingWithoutDurability) {
+  auto worker = StartWorker(50);
+  auto stub = pb::Calibration::NewStub(worker->Channel());
+  CreateOn(stub.get(), "s");
+  ASSERT_TRUE(
+      IngestAll(stub.get(), Numbered(Workload("s", 1, 2), "p")).status.ok());
+  ASSERT_TRUE(WaitDurable(stub.get(), "s", 6));
+  // Replace the directory by a file: every later write fails.
+  std::filesystem::remove_all(dir_ / "state");
+  std::ofstream(dir_ / "state") << "not a directory";
+  auto more = Numbered(Workload("s", 1, 2), "p", 7);
+  for (auto& c : more) c.set_batch(5);
+  StreamResult result = IngestAll(stub.get(), more);
+  ASSERT_TRUE(result.status.ok()) << "ingest must keep working";
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  grpc::Status status;
+  pb::Session s = GetSession(stub.get(), "s", &status);
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(s.producers(0).sequence(), 12u);
+  EXPECT_EQ(s.producers(0).durable_sequence(), 6u)
+      << "durable watermark must not advance";
+  EXPECT_THAT(worker->ReadLog(), HasSubstr("cannot persist session 's'"));
+}
+
+}  // namespace
+}  // namespace kvcal
