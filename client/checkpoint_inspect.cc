@@ -8,6 +8,7 @@
 #include <regex>
 #include <set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -40,9 +41,13 @@ std::optional<ScaleName> ParseScaleName(const std::string& name) {
   static const std::regex kQuark(
       R"(.*\.layers\.(\d+)\.self_attn\.([qkv])_proj\.output_scale)");
   std::smatch m;
-  auto make = [&](const char* convention) {
+  auto make = [&](const char* convention) -> std::optional<ScaleName> {
+    // A layer number beyond uint32 names no layer (and std::stoul would
+    // throw on it).
+    uint32_t layer = 0;
+    if (!absl::SimpleAtoi(m[1].str(), &layer)) return std::nullopt;
     const char letter = m[2].str()[0];
-    return ScaleName{static_cast<uint32_t>(std::stoul(m[1].str())),
+    return ScaleName{layer,
                      letter == 'q'   ? 0
                      : letter == 'k' ? 1
                                      : 2,
@@ -127,6 +132,12 @@ absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name) {
     }
     for (const auto& [name, file] : index["weight_map"].items()) {
       const std::string f = file.is_string() ? file.get<std::string>() : "";
+      if (absl::Status s = CheckShardFileName(f); !s.ok()) {
+        // Never opened: it would be a file outside the checkpoint.
+        report.errors.push_back(absl::StrCat(kIndexName, ": weight_map entry '",
+                                             name, "': ", s.message()));
+        continue;
+      }
       if (!index_files.count(f)) files.push_back(f);
       index_files[f].push_back(name);
     }

@@ -328,6 +328,16 @@ absl::Status CopySynced(const fs::path& from, const fs::path& to) {
 
 }  // namespace
 
+absl::Status CheckShardFileName(absl::string_view name) {
+  if (name.empty() || name == "." || name == ".." ||
+      name.find_first_of(std::string_view("/\0", 2)) != name.npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard file name '", name,
+                     "' is not a plain file name in the checkpoint directory"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PatchTarget> ParsePatchTarget(absl::string_view name) {
   if (name == "compressed-tensors") return PatchTarget::kCompressedTensors;
   if (name == "modelopt") return PatchTarget::kModelOpt;
@@ -424,6 +434,11 @@ absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
                          "' is not a file name"));
       }
       const std::string f = file.get<std::string>();
+      if (absl::Status s = CheckShardFileName(f); !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path.string(), ": weight_map entry '", name,
+                         "': ", s.message()));
+      }
       if (!shard_tensors.count(f)) shard_names.push_back(f);
       shard_tensors[f].push_back(name);
     }

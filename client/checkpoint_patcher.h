@@ -48,6 +48,12 @@ inline constexpr char kScalesShardName[] = "kvcal-kv-scales.safetensors";
 inline constexpr char kPatchStagingDir[] = ".kvcal-patch";
 inline constexpr char kIndexName[] = "model.safetensors.index.json";
 
+// OK when `name`, a shard file named by the index's weight_map, is a plain
+// file name inside the checkpoint directory: not empty, not "." or "..", no
+// '/' or NUL. An index is untrusted input: "../x" or "/abs/path" would make
+// the reader open, and the patcher rewrite, files outside the checkpoint.
+absl::Status CheckShardFileName(absl::string_view name);
+
 struct PatchOptions {
   std::string checkpoint_dir;
   std::string scales_path;

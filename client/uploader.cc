@@ -189,8 +189,15 @@ absl::StatusOr<UploadResult> Uploader::Upload(
         ": not the same dump (or a different chunk size)"));
   }
   result.chunks_skipped = acked;
-  counters.chunks_acked = acked;
-  counters.bytes_acked = bytes_before[acked];
+  // Counters may be shared by several uploaders (one per worker): publish
+  // differences, not absolute values.
+  uint64_t published = 0;
+  auto publish = [&](uint64_t now) {
+    counters.chunks_acked.fetch_add(now - published);
+    counters.bytes_acked.fetch_add(bytes_before[now] - bytes_before[published]);
+    published = now;
+  };
+  publish(acked);
 
   int attempts = 0;
   absl::Duration backoff = options_.initial_backoff;
@@ -245,8 +252,7 @@ absl::StatusOr<UploadResult> Uploader::Upload(
       }
       cv.notify_one();
       acked = expected;
-      counters.chunks_acked = acked;
-      counters.bytes_acked = bytes_before[acked];
+      publish(acked);
       ++expected;
       if (options_.on_ack && !options_.on_ack(acked)) {
         cut = true;
@@ -302,8 +308,7 @@ absl::StatusOr<UploadResult> Uploader::Upload(
                        n, " chunks of this upload"));
     }
     acked = *watermark;  // may be lower than acknowledged: a restored worker
-    counters.chunks_acked = acked;
-    counters.bytes_acked = bytes_before[acked];
+    publish(acked);
   }
   return result;
 }

@@ -1,0 +1,485 @@
+// kvcal: the user's side of kvcal. Subcommands create, push, status,
+// finalize, patch, inspect, calibrate and demo; see client/README.md.
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "client/calibration_client.h"
+#include "client/calibration_job.h"
+#include "client/checkpoint_inspect.h"
+#include "client/checkpoint_patcher.h"
+#include "client/connection.h"
+#include "client/kvcal_cli.h"
+#include "kernels/status_macros.h"
+
+namespace kvcal {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+struct ConnectionArgs {
+  std::vector<std::string> servers;
+  std::string auth_token_file;
+  std::string tls_ca;
+  std::string tls_cert;
+  std::string tls_key;
+};
+
+struct FinalizeArgs {
+  std::string observer = "static-minmax";
+  std::string granularity = "tensor";
+  std::string format = "fp8-e4m3fn";
+  float averaging_constant = 0;
+  double percentile = 0;
+  float margin = 0;
+  uint32_t mse_grid = 0;
+  float mse_max_shrink = 0;
+  float mse_norm = 0;
+  uint32_t mse_patience = 0;
+  bool q_per_kv_group = false;
+  bool allow_missing = false;
+};
+
+struct Args {
+  bool json = false;
+  ConnectionArgs connection;
+  std::string config;
+  std::string session;
+  uint32_t histograms = 64;
+  std::string producer = "default";
+  std::string dump_dir;
+  size_t chunk_bytes = size_t{4} << 20;
+  size_t window = 16;
+  bool resume = false;
+  FinalizeArgs finalize;
+  std::string output;
+  std::string checkpoint;
+  std::string scales;
+  std::string out_dir;
+  std::string target = "compressed-tensors";
+  DemoArgs demo;
+};
+
+void AddConnection(CLI::App* app, ConnectionArgs& c) {
+  app->add_option("--server", c.servers,
+                  "worker host:port; repeat or comma-separate for several "
+                  "(layers are sharded by a stable hash)")
+      ->envname("KVCAL_SERVER")
+      ->required()
+      ->delimiter(',');
+  app->add_option("--auth-token-file", c.auth_token_file,
+                  "file holding the bearer token the workers expect")
+      ->envname("KVCAL_AUTH_TOKEN_FILE");
+  app->add_option("--tls-ca", c.tls_ca, "PEM CA bundle: connect with TLS");
+  app->add_option("--tls-cert", c.tls_cert,
+                  "PEM client certificate (mutual TLS)");
+  app->add_option("--tls-key", c.tls_key, "PEM client key (mutual TLS)");
+}
+
+void AddFinalize(CLI::App* app, FinalizeArgs& f) {
+  app->add_option("--observer", f.observer,
+                  "static-minmax|minmax-ema|memoryless-minmax|mse|percentile")
+      ->capture_default_str();
+  app->add_option("--granularity", f.granularity, "tensor|head")
+      ->capture_default_str();
+  app->add_option("--format", f.format, "fp8-e4m3fn|fp8-e4m3fnuz|fp8-e5m2|int8")
+      ->capture_default_str();
+  app->add_option("--averaging-constant", f.averaging_constant,
+                  "minmax-ema constant (0 = 0.01)");
+  app->add_option("--percentile", f.percentile, "percentile p (0 = 99.99)");
+  app->add_option("--margin", f.margin, "multiplies every range (0 = 1.0)");
+  app->add_option("--mse-grid", f.mse_grid, "MSE grid (0 = 100)");
+  app->add_option("--mse-max-shrink", f.mse_max_shrink,
+                  "MSE max shrink (0 = 0.20)");
+  app->add_option("--mse-norm", f.mse_norm, "MSE error norm (0 = 2.4)");
+  app->add_option("--mse-patience", f.mse_patience, "MSE patience (0 = 5)");
+  app->add_flag("--q-per-kv-group", f.q_per_kv_group,
+                "per head: reduce Q scales to one per KV group (max)");
+  app->add_flag(
+      "--allow-missing", f.allow_missing,
+      "roles with heads that saw no data get no scale instead of an error");
+}
+
+absl::StatusOr<CalibrationClient> Connect(const ConnectionArgs& c) {
+  ConnectionOptions options;
+  if (!c.auth_token_file.empty()) {
+    KVCAL_ASSIGN_OR_RETURN(options.auth_token,
+                           ReadTokenFile(c.auth_token_file));
+  }
+  options.tls_ca_file = c.tls_ca;
+  options.tls_cert_file = c.tls_cert;
+  options.tls_key_file = c.tls_key;
+  return CalibrationClient::Connect(c.servers, options);
+}
+
+absl::StatusOr<v1::FinalizeRequest> MakeFinalizeRequest(
+    const FinalizeArgs& f, const std::string& session) {
+  v1::FinalizeRequest r;
+  r.set_session_id(session);
+  KVCAL_ASSIGN_OR_RETURN(v1::Observer observer, ParseObserver(f.observer));
+  KVCAL_ASSIGN_OR_RETURN(v1::Granularity granularity,
+                         ParseGranularity(f.granularity));
+  KVCAL_ASSIGN_OR_RETURN(v1::Format format, ParseFormat(f.format));
+  r.set_observer(observer);
+  r.set_granularity(granularity);
+  r.set_format(format);
+  r.set_averaging_constant(f.averaging_constant);
+  r.set_percentile(f.percentile);
+  r.set_margin(f.margin);
+  r.set_mse_grid(f.mse_grid);
+  r.set_mse_max_shrink(f.mse_max_shrink);
+  r.set_mse_norm(f.mse_norm);
+  r.set_mse_patience(f.mse_patience);
+  r.set_q_per_kv_group(f.q_per_kv_group);
+  r.set_allow_missing(f.allow_missing);
+  return r;
+}
+
+UploaderOptions MakeUploaderOptions(const Args& a) {
+  UploaderOptions o;
+  o.producer_id = a.producer;
+  o.max_chunk_bytes = a.chunk_bytes;
+  o.window = a.window;
+  o.resume = a.resume;
+  return o;
+}
+
+Json PushJson(const PushSummary& p) {
+  const double seconds = absl::ToDoubleSeconds(p.elapsed);
+  return {{"files", p.files},
+          {"tensors", p.tensors},
+          {"chunks", p.upload.chunks},
+          {"chunks_skipped", p.upload.chunks_skipped},
+          {"chunks_sent", p.upload.chunks_sent},
+          {"chunks_applied", p.upload.chunks_applied},
+          {"chunks_duplicate", p.upload.chunks_duplicate},
+          {"bytes", p.upload.bytes},
+          {"reconnects", p.upload.reconnects},
+          {"seconds", seconds},
+          {"mib_per_second", seconds > 0 ? static_cast<double>(p.upload.bytes) /
+                                               seconds / (1 << 20)
+                                         : 0.0}};
+}
+
+std::string PushText(const PushSummary& p) {
+  const Json j = PushJson(p);
+  return absl::StrFormat(
+      "pushed %u chunks (%.1f MiB) from %u files in %.2fs (%.1f MiB/s); "
+      "%u applied, %u duplicates, %u skipped, %u reconnects\n",
+      p.upload.chunks, p.upload.bytes / 1048576.0, p.files,
+      j["seconds"].get<double>(), j["mib_per_second"].get<double>(),
+      p.upload.chunks_applied, p.upload.chunks_duplicate,
+      p.upload.chunks_skipped, p.upload.reconnects);
+}
+
+Json PatchJson(const PatchReport& r) {
+  return {{"output_dir", r.output_dir},
+          {"sharded", r.sharded},
+          {"files_written", r.files_written},
+          {"scale_tensors", r.scale_tensors},
+          {"replaced_tensors", r.replaced_tensors},
+          {"tensors_verified", r.tensors_verified},
+          {"bytes_verified", r.bytes_verified},
+          {"recovered", r.recovered}};
+}
+
+std::string PatchText(const PatchReport& r) {
+  std::string out;
+  if (!r.recovered.empty()) absl::StrAppend(&out, r.recovered, "\n");
+  absl::StrAppend(&out, "patched ", r.output_dir, ": ", r.scale_tensors,
+                  " scale tensors (", r.replaced_tensors, " replaced); wrote ",
+                  absl::StrJoin(r.files_written, ", "), "; verified ",
+                  r.tensors_verified, " original tensors (", r.bytes_verified,
+                  " bytes) byte for byte\n");
+  return out;
+}
+
+absl::StatusOr<CommandResult> RunCreate(const Args& a) {
+  KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
+  KVCAL_ASSIGN_OR_RETURN(
+      v1::Session s,
+      CreateSessionFromConfig(client, a.config, a.session, a.histograms));
+  if (!a.json) {
+    std::cout << absl::StrFormat(
+        "session %s: %u layers, %u query heads, %u KV heads, head_dim %u, "
+        "%u bins/octave, on %u worker(s)\n",
+        s.session_id(), s.num_layers(), s.num_attention_heads(),
+        s.num_key_value_heads(), s.head_dim(), s.histogram_bins_per_octave(),
+        client.worker_count());
+  }
+  return CommandResult{SessionJson(s)};
+}
+
+absl::StatusOr<CommandResult> RunPush(const Args& a) {
+  KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
+  KVCAL_ASSIGN_OR_RETURN(PushSummary p,
+                         PushDump(client, a.session, a.dump_dir,
+                                  MakeUploaderOptions(a), /*progress=*/true));
+  if (!a.json) std::cout << PushText(p);
+  return CommandResult{PushJson(p)};
+}
+
+absl::StatusOr<CommandResult> RunStatus(const Args& a) {
+  KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
+  std::vector<v1::Session> sessions;
+  if (a.session.empty()) {
+    KVCAL_ASSIGN_OR_RETURN(sessions, client.ListSessions());
+  } else {
+    KVCAL_ASSIGN_OR_RETURN(v1::Session s, client.GetSession(a.session));
+    sessions.push_back(std::move(s));
+  }
+  Json list = Json::array();
+  for (const v1::Session& s : sessions) {
+    list.push_back(SessionJson(s));
+    if (a.json) continue;
+    std::cout << absl::StrFormat(
+        "%s: %u layers x %u/%u heads x %u, %u chunks, %u values (%.1f MiB), "
+        "%u non-finite, backend %s\n",
+        s.session_id(), s.num_layers(), s.num_attention_heads(),
+        s.num_key_value_heads(), s.head_dim(), s.chunks_applied(),
+        s.values_ingested(), s.bytes_ingested() / 1048576.0,
+        s.nonfinite_values(), s.backend());
+    for (const v1::ProducerWatermark& p : s.producers()) {
+      std::cout << "  producer " << p.producer_id() << ": watermark "
+                << p.sequence() << "\n";
+    }
+  }
+  if (!a.json && sessions.empty()) std::cout << "no sessions\n";
+  return CommandResult{a.session.empty() ? Json{{"sessions", list}} : list[0]};
+}
+
+absl::StatusOr<CommandResult> RunFinalize(const Args& a) {
+  KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
+  KVCAL_ASSIGN_OR_RETURN(v1::FinalizeRequest request,
+                         MakeFinalizeRequest(a.finalize, a.session));
+  KVCAL_ASSIGN_OR_RETURN(FinalizeSummary f,
+                         FinalizeToFile(client, request, a.output));
+  if (!a.json) {
+    std::cout << FinalizeTable(f.response) << "wrote " << a.output << " ("
+              << f.scales.observer << ", per " << a.finalize.granularity << ", "
+              << f.scales.metadata["format"] << ")\n";
+  }
+  return CommandResult{Json{{"output", a.output},
+                            {"observer", f.scales.observer},
+                            {"granularity", a.finalize.granularity},
+                            {"layers", FinalizeJson(f.response)}}};
+}
+
+absl::StatusOr<CommandResult> RunPatch(const Args& a) {
+  KVCAL_ASSIGN_OR_RETURN(PatchTarget target, ParsePatchTarget(a.target));
+  PatchOptions options{.checkpoint_dir = a.checkpoint,
+                       .scales_path = a.scales,
+                       .out_dir = a.out_dir,
+                       .target = target};
+  KVCAL_ASSIGN_OR_RETURN(PatchReport report, PatchCheckpoint(options));
+  if (!a.json) std::cout << PatchText(report);
+  return CommandResult{PatchJson(report)};
+}
+
+absl::StatusOr<CommandResult> RunInspect(const Args& a) {
+  KVCAL_ASSIGN_OR_RETURN(InspectReport report, InspectCheckpoint(a.checkpoint));
+  if (!a.json) std::cout << report.ToText();
+  return CommandResult{report.ToJson(), report.ok() ? 0 : 1};
+}
+
+absl::StatusOr<CommandResult> RunCalibrate(Args a) {
+  KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
+  if (a.config.empty()) a.config = a.checkpoint + "/config.json";
+  KVCAL_ASSIGN_OR_RETURN(
+      v1::Session s,
+      CreateSessionFromConfig(client, a.config, a.session, a.histograms));
+  if (!a.json) std::cout << "session " << s.session_id() << "\n";
+  KVCAL_ASSIGN_OR_RETURN(PushSummary p,
+                         PushDump(client, s.session_id(), a.dump_dir,
+                                  MakeUploaderOptions(a), /*progress=*/true));
+  if (!a.json) std::cout << PushText(p);
+  KVCAL_ASSIGN_OR_RETURN(v1::FinalizeRequest request,
+                         MakeFinalizeRequest(a.finalize, s.session_id()));
+  if (a.output.empty())
+    a.output = "kvcal-scales-" + s.session_id() + ".safetensors";
+  KVCAL_ASSIGN_OR_RETURN(FinalizeSummary f,
+                         FinalizeToFile(client, request, a.output));
+  if (!a.json)
+    std::cout << FinalizeTable(f.response) << "wrote " << a.output << "\n";
+  KVCAL_ASSIGN_OR_RETURN(PatchTarget target, ParsePatchTarget(a.target));
+  KVCAL_ASSIGN_OR_RETURN(PatchReport report,
+                         PatchCheckpoint({.checkpoint_dir = a.checkpoint,
+                                          .scales_path = a.output,
+                                          .out_dir = a.out_dir,
+                                          .target = target}));
+  if (!a.json) std::cout << PatchText(report);
+  KVCAL_ASSIGN_OR_RETURN(InspectReport inspect,
+                         InspectCheckpoint(report.output_dir));
+  if (!a.json) std::cout << inspect.ToText();
+  return CommandResult{Json{{"session", SessionJson(s)},
+                            {"push", PushJson(p)},
+                            {"scales", a.output},
+                            {"layers", FinalizeJson(f.response)},
+                            {"patch", PatchJson(report)},
+                            {"inspect", inspect.ToJson()}},
+                       inspect.ok() ? 0 : 1};
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{
+      "kvcal: calibrate FP8 KV-cache (and query) scales with kvcal "
+      "workers and write them into Hugging Face checkpoints"};
+  app.require_subcommand(1);
+  Args a;
+  auto json_flag = [&](CLI::App* sub) {
+    sub->add_flag("--json", a.json, "machine-readable output on stdout");
+  };
+
+  CLI::App* create = app.add_subcommand(
+      "create",
+      "create a session with the geometry of a Hugging Face config.json");
+  AddConnection(create, a.connection);
+  create->add_option("--config", a.config, "MODEL_DIR/config.json")->required();
+  create->add_option("--session", a.session,
+                     "session id (default: the worker picks)");
+  create
+      ->add_option("--histograms", a.histograms,
+                   "histogram bins per octave (power of two 1..128; 0 = none)")
+      ->capture_default_str();
+  json_flag(create);
+
+  CLI::App* push = app.add_subcommand(
+      "push", "stream an activation dump directory into a session");
+  AddConnection(push, a.connection);
+  push->add_option("--session", a.session, "session id")->required();
+  push->add_option("--producer", a.producer,
+                   "producer name (one per data-parallel rank)")
+      ->capture_default_str();
+  push->add_option("--chunk-bytes", a.chunk_bytes,
+                   "split tensors into chunks of at most this many bytes")
+      ->capture_default_str();
+  push->add_option("--window", a.window, "chunks in flight per worker")
+      ->capture_default_str();
+  push->add_flag("--resume", a.resume,
+                 "continue an interrupted push of the same dump: skip what the "
+                 "worker already applied");
+  push->add_option("DUMP_DIR", a.dump_dir, "directory of *.safetensors dumps")
+      ->required();
+  json_flag(push);
+
+  CLI::App* status =
+      app.add_subcommand("status", "show sessions and their counters");
+  AddConnection(status, a.connection);
+  status->add_option("--session", a.session, "one session (default: all)");
+  json_flag(status);
+
+  CLI::App* finalize = app.add_subcommand(
+      "finalize", "compute scales and write them to a scales file");
+  AddConnection(finalize, a.connection);
+  finalize->add_option("--session", a.session, "session id")->required();
+  AddFinalize(finalize, a.finalize);
+  finalize->add_option("-o,--output", a.output, "scales.safetensors to write")
+      ->required();
+  json_flag(finalize);
+
+  CLI::App* patch = app.add_subcommand(
+      "patch", "write a scales file into a checkpoint so vLLM loads it");
+  patch->add_option("--checkpoint", a.checkpoint, "MODEL_DIR")->required();
+  patch->add_option("--scales", a.scales, "scales.safetensors from finalize")
+      ->required();
+  patch->add_option(
+      "--out", a.out_dir,
+      "write a patched copy here (default: patch in place, crash-safe)");
+  patch->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
+      ->capture_default_str();
+  json_flag(patch);
+
+  CLI::App* inspect = app.add_subcommand(
+      "inspect",
+      "check a checkpoint's KV-cache scales the way vLLM reads them");
+  inspect->add_option("MODEL_DIR", a.checkpoint, "checkpoint directory")
+      ->required();
+  json_flag(inspect);
+
+  CLI::App* calibrate = app.add_subcommand(
+      "calibrate", "create, push, finalize and patch in one go");
+  AddConnection(calibrate, a.connection);
+  calibrate->add_option("--checkpoint", a.checkpoint, "MODEL_DIR to patch")
+      ->required();
+  calibrate->add_option("--config", a.config,
+                        "config.json (default: MODEL_DIR/config.json)");
+  calibrate->add_option("--session", a.session,
+                        "session id (default: the worker picks)");
+  calibrate->add_option("--histograms", a.histograms, "bins per octave")
+      ->capture_default_str();
+  calibrate->add_option("--producer", a.producer, "producer name")
+      ->capture_default_str();
+  calibrate->add_option("--chunk-bytes", a.chunk_bytes, "chunk size limit")
+      ->capture_default_str();
+  AddFinalize(calibrate, a.finalize);
+  calibrate->add_option(
+      "-o,--output", a.output,
+      "scales file (default: ./kvcal-scales-SESSION.safetensors)");
+  calibrate->add_option("--out", a.out_dir, "write a patched copy here");
+  calibrate
+      ->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
+      ->capture_default_str();
+  calibrate
+      ->add_option("DUMP_DIR", a.dump_dir, "directory of *.safetensors dumps")
+      ->required();
+  json_flag(calibrate);
+
+  CLI::App* demo = app.add_subcommand(
+      "demo", "start a local worker, calibrate a generated model end to end");
+  demo->add_option("--dir", a.demo.dir,
+                   "where to write (default: a new /tmp dir)");
+  demo->add_option("--worker", a.demo.worker,
+                   "kvcal-worker binary (default: next to kvcal, then PATH)");
+  demo->add_option("--backend", a.demo.backend, "worker backend: auto|cpu|cuda")
+      ->capture_default_str();
+  json_flag(demo);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  CLI::App* chosen = app.get_subcommands().front();
+  const std::string name = chosen->get_name();
+  absl::StatusOr<CommandResult> result;
+  if (chosen == create) result = RunCreate(a);
+  if (chosen == push) result = RunPush(a);
+  if (chosen == status) result = RunStatus(a);
+  if (chosen == finalize) result = RunFinalize(a);
+  if (chosen == patch) result = RunPatch(a);
+  if (chosen == inspect) result = RunInspect(a);
+  if (chosen == calibrate) result = RunCalibrate(a);
+  if (chosen == demo) {
+    a.demo.json = a.json;
+    result = RunDemo(a.demo);
+  }
+  if (!result.ok()) {
+    const std::string message =
+        absl::StrReplaceAll(result.status().message(), {{"\n", " "}});
+    std::cerr << "kvcal " << name << ": " << message << "\n";
+    if (a.json) {
+      std::cout << Json{{"ok", false},
+                        {"code",
+                         absl::StatusCodeToString(result.status().code())},
+                        {"error", message}}
+                       .dump(2)
+                << "\n";
+    }
+    return 1;
+  }
+  if (a.json) std::cout << result->json.dump(2) << "\n";
+  return result->exit_code;
+}
+
+}  // namespace
+}  // namespace kvcal
+
+int main(int argc, char** argv) { return kvcal::Main(argc, argv); }

@@ -1,0 +1,151 @@
+// Client pieces that need no worker: chunk splitting, the sharding hash,
+// the progress line, CLI name parsing.
+#include <set>
+
+#include "client/calibration_client.h"
+#include "client/calibration_job.h"
+#include "client/progress.h"
+#include "client/uploader.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvcal {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Checks that `parts` cover `chunk` exactly: every element once, with the
+// right head offsets, each part within the limit.
+void ExpectExactCover(const ChunkView& chunk,
+                      const std::vector<ChunkView>& parts, size_t max_bytes) {
+  size_t bytes = 0;
+  const std::byte* cursor = chunk.data.data();
+  for (const ChunkView& p : parts) {
+    EXPECT_LE(p.data.size(),
+              std::max<size_t>(max_bytes, chunk.shape.back() * 4));
+    EXPECT_EQ(p.data.data(), cursor) << "parts must be contiguous and in order";
+    cursor += p.data.size();
+    bytes += p.data.size();
+    uint64_t elements = 1;
+    for (uint64_t d : p.shape) elements *= d;
+    EXPECT_EQ(elements * DTypeSize(p.dtype), p.data.size());
+    EXPECT_EQ(p.batch, chunk.batch);
+    EXPECT_EQ(p.layer, chunk.layer);
+    EXPECT_EQ(p.shape.back(), chunk.shape.back());
+  }
+  EXPECT_EQ(bytes, chunk.data.size());
+}
+
+TEST(SplitChunkTest, SmallChunkIsKept) {
+  std::vector<float> data(4 * 2 * 8);
+  ChunkView c{
+      .shape = {4, 2, 8},
+      .data = absl::MakeConstSpan(
+          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4)};
+  EXPECT_EQ(SplitChunk(c, 1 << 20).size(), 1u);
+}
+
+TEST(SplitChunkTest, TokensHeadsDimSplitsIntoTokenRanges) {
+  std::vector<float> data(10 * 2 * 8);
+  ChunkView c{
+      .layer = 3,
+      .shape = {2, 5, 2, 8},  // two leading token dims
+      .batch = 9,
+      .data = absl::MakeConstSpan(
+          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4)};
+  const auto parts = SplitChunk(c, 3 * 2 * 8 * 4);  // three tokens per part
+  ASSERT_EQ(parts.size(), 4u);
+  EXPECT_EQ(parts[0].shape, (std::vector<uint64_t>{3, 2, 8}));
+  EXPECT_EQ(parts[3].shape, (std::vector<uint64_t>{1, 2, 8}));
+  ExpectExactCover(c, parts, 3 * 2 * 8 * 4);
+}
+
+TEST(SplitChunkTest, OversizedTokenSplitsItsHeads) {
+  std::vector<uint16_t> data(3 * 5 * 8);
+  ChunkView c{
+      .dtype = DType::kBf16,
+      .shape = {3, 5, 8},
+      .head_offset = 4,
+      .data = absl::MakeConstSpan(
+          reinterpret_cast<const std::byte*>(data.data()), data.size() * 2)};
+  const auto parts = SplitChunk(c, 2 * 8 * 2);  // two heads of one token
+  ASSERT_EQ(parts.size(), 9u);                  // 3 tokens x (2 + 2 + 1) heads
+  EXPECT_EQ(parts[0].head_offset, 4u);
+  EXPECT_EQ(parts[1].head_offset, 6u);
+  EXPECT_EQ(parts[2].head_offset, 8u);
+  EXPECT_EQ(parts[2].shape, (std::vector<uint64_t>{1, 1, 8}));
+  ExpectExactCover(c, parts, 2 * 8 * 2);
+}
+
+TEST(SplitChunkTest, HeadsTokensDimSplitsBatchThenHeadsThenSequence) {
+  std::vector<float> data(2 * 3 * 4 * 8);
+  ChunkView c{
+      .layout = Layout::kHeadsTokensDim,
+      .shape = {2, 3, 4, 8},
+      .data = absl::MakeConstSpan(
+          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4)};
+  // Whole batch entries.
+  auto parts = SplitChunk(c, 3 * 4 * 8 * 4);
+  ASSERT_EQ(parts.size(), 2u);
+  EXPECT_EQ(parts[1].shape, (std::vector<uint64_t>{1, 3, 4, 8}));
+  ExpectExactCover(c, parts, 3 * 4 * 8 * 4);
+  // Head ranges of one entry.
+  parts = SplitChunk(c, 2 * 4 * 8 * 4);
+  ASSERT_EQ(parts.size(), 4u);
+  EXPECT_EQ(parts[1].shape, (std::vector<uint64_t>{1, 1, 4, 8}));
+  EXPECT_EQ(parts[1].head_offset, 2u);
+  ExpectExactCover(c, parts, 2 * 4 * 8 * 4);
+  // Sequence ranges of one head.
+  parts = SplitChunk(c, 3 * 8 * 4);
+  ASSERT_EQ(parts.size(), 2u * 3 * 2);
+  EXPECT_EQ(parts[1].shape, (std::vector<uint64_t>{1, 1, 1, 8}));
+  EXPECT_EQ(parts[2].head_offset, 1u);
+  ExpectExactCover(c, parts, 3 * 8 * 4);
+}
+
+TEST(ShardingTest, WorkerForIsStableAndSpreadsLayers) {
+  // Fixed values: other clients must compute the same assignment.
+  EXPECT_EQ(CalibrationClient::WorkerFor("s", 0, 1), 0u);
+  std::set<size_t> used;
+  for (uint32_t layer = 0; layer < 32; ++layer) {
+    const size_t w = CalibrationClient::WorkerFor("session-a", layer, 3);
+    EXPECT_LT(w, 3u);
+    EXPECT_EQ(w, CalibrationClient::WorkerFor("session-a", layer, 3));
+    used.insert(w);
+  }
+  EXPECT_EQ(used.size(), 3u);
+  // FNV-1a 64 of "ab" then layer 1 as 4 little-endian bytes.
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char b : {'a', 'b', '\1', '\0', '\0', '\0'}) {
+    h ^= b;
+    h *= 0x100000001b3ull;
+  }
+  EXPECT_EQ(CalibrationClient::WorkerFor("ab", 1, 7), h % 7);
+}
+
+TEST(ProgressTest, LineShowsBytesChunksRateAndEta) {
+  const std::string line = ProgressReporter::Line(
+      "push", 1 << 20, 4 << 20, 10, 40, absl::Seconds(1), /*bar=*/true);
+  EXPECT_THAT(line, HasSubstr("[######"));
+  EXPECT_THAT(line, HasSubstr("25%"));
+  EXPECT_THAT(line, HasSubstr("1.0/4.0 MiB"));
+  EXPECT_THAT(line, HasSubstr("10/40 chunks"));
+  EXPECT_THAT(line, HasSubstr("1.0 MiB/s"));
+  EXPECT_THAT(line, HasSubstr("ETA 3s"));
+  EXPECT_THAT(
+      ProgressReporter::Line("push", 0, 0, 0, 0, absl::Seconds(1), false),
+      ::testing::Not(HasSubstr("[")));
+}
+
+TEST(CliNamesTest, ParsesObserversGranularitiesFormats) {
+  EXPECT_EQ(*ParseObserver("minmax-ema"), v1::OBSERVER_MINMAX_EMA);
+  EXPECT_EQ(*ParseObserver("percentile"), v1::OBSERVER_PERCENTILE);
+  EXPECT_THAT(std::string(ParseObserver("max").status().message()),
+              HasSubstr("unknown observer 'max'"));
+  EXPECT_EQ(*ParseGranularity("head"), v1::GRANULARITY_PER_HEAD);
+  EXPECT_EQ(*ParseFormat("fp8-e4m3fnuz"), v1::FORMAT_FP8_E4M3FNUZ);
+  EXPECT_FALSE(ParseFormat("fp4").ok());
+}
+
+}  // namespace
+}  // namespace kvcal

@@ -1,0 +1,336 @@
+// The uploader and the sharding client against real kvcal-worker processes.
+#include "client/uploader.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <vector>
+
+#include "client/activation_dump.h"
+#include "client/calibration_client.h"
+#include "client/calibration_job.h"
+#include "client/demo_model.h"
+#include "client/local_worker.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/client/test_util.h"
+
+namespace kvcal {
+namespace {
+
+using ::kvcal::testing::TempDir;
+using ::testing::HasSubstr;
+
+std::string WorkerPath() {
+  if (const char* env = std::getenv("KVCAL_TEST_WORKER")) return env;
+  return KVCAL_WORKER_PATH;
+}
+
+std::unique_ptr<LocalWorker> StartWorker(std::vector<std::string> extra = {},
+                                         std::string listen = "127.0.0.1:0") {
+  LocalWorker::Options options;
+  options.binary = WorkerPath();
+  options.listen = std::move(listen);
+  options.extra_args = std::move(extra);
+  auto worker = LocalWorker::Start(options);
+  EXPECT_TRUE(worker.ok()) << worker.status();
+  return worker.ok() ? *std::move(worker) : nullptr;
+}
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// The scales of every (layer, role) under several finalize settings, for
+// exact comparison.
+using AllScales = std::vector<std::vector<float>>;
+
+AllScales Scales(CalibrationClient& client, const std::string& session) {
+  AllScales all;
+  for (auto [granularity, observer] :
+       {std::pair{v1::GRANULARITY_PER_HEAD, v1::OBSERVER_MSE},
+        std::pair{v1::GRANULARITY_PER_TENSOR, v1::OBSERVER_STATIC_MINMAX},
+        std::pair{v1::GRANULARITY_PER_HEAD, v1::OBSERVER_MINMAX_EMA},
+        std::pair{v1::GRANULARITY_PER_TENSOR, v1::OBSERVER_PERCENTILE}}) {
+    v1::FinalizeRequest request;
+    request.set_session_id(session);
+    request.set_granularity(granularity);
+    request.set_observer(observer);
+    auto response = client.Finalize(request);
+    EXPECT_TRUE(response.ok()) << response.status();
+    if (!response.ok()) return {};
+    for (const v1::LayerScales& l : response->layers()) {
+      for (const v1::RoleScales* r : {&l.q(), &l.k(), &l.v()}) {
+        all.emplace_back(r->scale().begin(), r->scale().end());
+        all.emplace_back(r->absmax().begin(), r->absmax().end());
+        all.push_back({static_cast<float>(r->count())});
+      }
+    }
+  }
+  return all;
+}
+
+class UploaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_.num_layers = 4;
+    model_.num_attention_heads = 8;
+    model_.num_key_value_heads = 2;
+    model_.head_dim = 32;
+    ASSERT_TRUE(
+        WriteDemoDumps(dir_ / "dumps", model_, {.batches = 3, .tokens = 64})
+            .ok());
+    auto dump = ActivationDump::Open(dir_ / "dumps");
+    ASSERT_TRUE(dump.ok()) << dump.status();
+    dump_.emplace(*std::move(dump));
+    for (const DumpTensor& t : dump_->tensors()) {
+      chunks_.push_back(ChunkView{.layer = t.layer,
+                                  .role = t.role,
+                                  .dtype = t.dtype,
+                                  .layout = t.layout,
+                                  .shape = t.shape,
+                                  .batch = t.batch,
+                                  .data = t.data});
+    }
+  }
+
+  v1::Session Create(CalibrationClient& client, const std::string& id) {
+    v1::CreateSessionRequest request;
+    request.set_session_id(id);
+    request.set_num_layers(model_.num_layers);
+    request.set_num_attention_heads(model_.num_attention_heads);
+    request.set_num_key_value_heads(model_.num_key_value_heads);
+    request.set_head_dim(model_.head_dim);
+    request.set_histogram_bins_per_octave(64);
+    auto session = client.CreateSession(request);
+    EXPECT_TRUE(session.ok()) << session.status();
+    return session.ok() ? *session : v1::Session();
+  }
+
+  CalibrationClient Connect(const std::vector<std::string>& endpoints,
+                            ConnectionOptions options = {}) {
+    auto client = CalibrationClient::Connect(endpoints, options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return *std::move(client);
+  }
+
+  // Uploads into a fresh session `id` without interruption.
+  AllScales Reference(CalibrationClient& client, const std::string& id) {
+    Create(client, id);
+    auto result = client.Upload(id, chunks_, {});
+    EXPECT_TRUE(result.ok()) << result.status();
+    return Scales(client, id);
+  }
+
+  TempDir dir_;
+  DemoModelOptions model_;
+  std::optional<ActivationDump> dump_;
+  std::vector<ChunkView> chunks_;
+};
+
+TEST_F(UploaderTest, StreamCutMidWayResumesWithTheSameScales) {
+  auto worker = StartWorker();
+  ASSERT_NE(worker, nullptr);
+  CalibrationClient client = Connect({worker->address()});
+  const AllScales reference = Reference(client, "reference");
+  ASSERT_FALSE(reference.empty());
+
+  Create(client, "cut");
+  UploaderOptions options;
+  options.session_id = "cut";
+  options.producer_id = "rank0";
+  options.max_chunk_bytes = 4096;  // many chunks, each tensor split
+  options.window = 8;
+  options.initial_backoff = absl::Milliseconds(10);
+  int cuts = 0;
+  int acks = 0;
+  options.on_ack = [&](uint64_t) {
+    // Cut the stream three times, at different depths (counted in
+    // acknowledgements, so resends count too).
+    ++acks;
+    if (acks == 7 || acks == 40 || acks == 41) {
+      ++cuts;
+      return false;
+    }
+    return true;
+  };
+  Uploader uploader(client.channel(0), {}, options);
+  auto result = uploader.Upload(chunks_);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(cuts, 3);
+  EXPECT_EQ(result->reconnects, 3u);
+  EXPECT_GT(result->chunks, chunks_.size());
+  EXPECT_GE(result->chunks_sent, result->chunks);
+  // Chunks applied but cut before their acknowledgement are not resent.
+  EXPECT_LE(result->chunks_applied, result->chunks);
+  auto session = client.GetSession("cut");
+  ASSERT_TRUE(session.ok());
+  auto ref_session = client.GetSession("reference");
+  ASSERT_TRUE(ref_session.ok());
+  // Exactly once: the same values, and the watermark at the last chunk.
+  EXPECT_EQ(session->values_ingested(), ref_session->values_ingested());
+  EXPECT_EQ(session->bytes_ingested(), ref_session->bytes_ingested());
+  ASSERT_EQ(session->producers_size(), 1);
+  EXPECT_EQ(session->producers(0).sequence(), result->chunks);
+  EXPECT_EQ(Scales(client, "cut"), reference);
+}
+
+TEST_F(UploaderTest, WorkerRestartedWithStateImportedResumes) {
+  const int port = FreePort();
+  const std::string listen = "127.0.0.1:" + std::to_string(port);
+  auto reference_worker = StartWorker();
+  ASSERT_NE(reference_worker, nullptr);
+  CalibrationClient reference_client = Connect({reference_worker->address()});
+  const AllScales reference = Reference(reference_client, "job");
+
+  auto worker = StartWorker({}, listen);
+  ASSERT_NE(worker, nullptr);
+  CalibrationClient client = Connect({listen});
+  Create(client, "job");
+  UploaderOptions options;
+  options.session_id = "job";
+  options.max_chunk_bytes = 8192;
+  options.window = 4;
+  options.initial_backoff = absl::Milliseconds(20);
+  bool restarted = false;
+  options.on_ack = [&](uint64_t sequence) {
+    if (sequence != 20 || restarted) return true;
+    restarted = true;
+    // Snapshot the worker, crash it, and bring up a new one on the same port
+    // with the snapshot imported, as a supervisor restoring a worker would.
+    grpc::ClientContext export_context;
+    v1::ExportStateRequest export_request;
+    export_request.set_session_id("job");
+    v1::SessionState state;
+    EXPECT_TRUE(client.stub(0)
+                    .ExportState(&export_context, export_request, &state)
+                    .ok());
+    worker->Kill();
+    worker = StartWorker({}, listen);
+    EXPECT_NE(worker, nullptr);
+    auto fresh = CalibrationClient::Connect({listen}, {});
+    v1::ImportStateRequest import_request;
+    import_request.set_session_id("job");
+    *import_request.mutable_state() = state;
+    import_request.set_import_id("restore-1");
+    // A supervisor retries while the new worker comes up.
+    grpc::Status s;
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      grpc::ClientContext import_context;
+      import_context.set_wait_for_ready(true);
+      v1::Session restored;
+      s = fresh->stub(0).ImportState(&import_context, import_request,
+                                     &restored);
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return true;  // the stream to the dead worker breaks by itself
+  };
+  Uploader uploader(client.channel(0), {}, options);
+  auto result = uploader.Upload(chunks_);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(restarted);
+  EXPECT_GE(result->reconnects, 1u);
+  auto session = client.GetSession("job");
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto ref_session = reference_client.GetSession("job");
+  ASSERT_TRUE(ref_session.ok());
+  EXPECT_EQ(session->values_ingested(), ref_session->values_ingested());
+  EXPECT_EQ(Scales(client, "job"), reference);
+}
+
+TEST_F(UploaderTest, ShardingOverOneTwoThreeWorkersGivesIdenticalScales) {
+  std::vector<std::unique_ptr<LocalWorker>> workers;
+  for (int i = 0; i < 3; ++i) {
+    workers.push_back(StartWorker());
+    ASSERT_NE(workers.back(), nullptr);
+  }
+  std::vector<AllScales> results;
+  for (size_t n = 1; n <= 3; ++n) {
+    std::vector<std::string> endpoints;
+    for (size_t i = 0; i < n; ++i) endpoints.push_back(workers[i]->address());
+    CalibrationClient client = Connect(endpoints);
+    const std::string id = "shard-" + std::to_string(n);
+    Create(client, id);
+    UploaderOptions options;
+    options.max_chunk_bytes = 16384;
+    auto result = client.Upload(id, chunks_, options);
+    ASSERT_TRUE(result.ok()) << result.status();
+    if (n > 1) {
+      // Each worker holds only its own layers.
+      size_t holding = 0;
+      for (size_t i = 0; i < n; ++i) {
+        auto single = CalibrationClient::Connect({endpoints[i]}, {});
+        auto s = single->GetSession(id);
+        ASSERT_TRUE(s.ok());
+        holding += s->values_ingested() > 0;
+      }
+      EXPECT_GE(holding, 2u);
+    }
+    results.push_back(Scales(client, id));
+    ASSERT_FALSE(results.back().empty());
+  }
+  EXPECT_EQ(results[1], results[0]);
+  EXPECT_EQ(results[2], results[0]);
+}
+
+TEST_F(UploaderTest, SecondPushOfAProducerNeedsResumeAndSkipsApplied) {
+  auto worker = StartWorker();
+  ASSERT_NE(worker, nullptr);
+  CalibrationClient client = Connect({worker->address()});
+  Create(client, "again");
+  UploaderOptions options;
+  options.producer_id = "p";
+  ASSERT_TRUE(client.Upload("again", chunks_, options).ok());
+  auto before = client.GetSession("again");
+  ASSERT_TRUE(before.ok());
+  EXPECT_THAT(client.Upload("again", chunks_, options).status().message(),
+              HasSubstr("already has"));
+  options.resume = true;
+  auto resumed = client.Upload("again", chunks_, options);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(resumed->chunks_skipped, resumed->chunks);
+  EXPECT_EQ(resumed->chunks_sent, 0u);
+  auto after = client.GetSession("again");
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->values_ingested(), before->values_ingested());
+}
+
+TEST_F(UploaderTest, BearerTokenIsSentAndRequired) {
+  const std::string token_file = dir_ / "token";
+  std::ofstream(token_file) << "s3cret\n";
+  auto worker = StartWorker({"--auth-token-file", token_file});
+  ASSERT_NE(worker, nullptr);
+  CalibrationClient anonymous = Connect({worker->address()});
+  v1::CreateSessionRequest request;
+  request.set_num_layers(1);
+  request.set_num_attention_heads(1);
+  request.set_num_key_value_heads(1);
+  request.set_head_dim(8);
+  EXPECT_EQ(anonymous.CreateSession(request).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  ConnectionOptions with_token;
+  with_token.auth_token = "s3cret";
+  CalibrationClient client = Connect({worker->address()}, with_token);
+  Create(client, "authed");
+  auto result = client.Upload("authed", chunks_, {});
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->chunks_applied, result->chunks);
+}
+
+}  // namespace
+}  // namespace kvcal
