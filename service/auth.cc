@@ -63,6 +63,14 @@ absl::StatusOr<TokenAuthenticator> TokenAuthenticator::FromText(
       return absl::InvalidArgumentError(absl::StrCat(
           "line ", line_number, ": expected 'tenant:token' or 'token'"));
     }
+    if (entry.tenant.size() > 64 ||
+        entry.tenant.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklm"
+                                       "nopqrstuvwxyz0123456789._-") !=
+            std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("line ", line_number,
+                       ": tenant names are 1 to 64 of A-Z a-z 0-9 . _ -"));
+    }
     auth.entries_.push_back(std::move(entry));
   }
   if (auth.entries_.empty()) {

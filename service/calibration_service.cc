@@ -32,18 +32,17 @@ CalibrationService::CalibrationService(ServiceOptions options)
 
 CalibrationService::~CalibrationService() = default;
 
-absl::Status CalibrationService::Authorize(
+absl::StatusOr<std::string> CalibrationService::Authorize(
     grpc::CallbackServerContext* context) const {
-  if (!options_.auth.has_value()) return absl::OkStatus();
+  if (!options_.auth.has_value()) return std::string(kDefaultTenant);
   const auto& metadata = context->client_metadata();
   auto it = metadata.find("authorization");
   if (it == metadata.end()) {
     return absl::UnauthenticatedError(
         "missing 'authorization: Bearer <token>' metadata");
   }
-  absl::StatusOr<std::string> tenant = options_.auth->Authenticate(
+  return options_.auth->Authenticate(
       absl::string_view(it->second.data(), it->second.size()));
-  return tenant.status();
 }
 
 template <typename Body>
@@ -54,8 +53,8 @@ grpc::ServerUnaryReactor* CalibrationService::Unary(
   const Clock::time_point start = Clock::now();
   auto run = [this, context, reactor, method, start,
               body = std::move(body)]() mutable {
-    absl::Status status = Authorize(context);
-    if (status.ok()) status = body();
+    absl::StatusOr<std::string> tenant = Authorize(context);
+    absl::Status status = tenant.ok() ? body(*tenant) : tenant.status();
     if (!status.ok()) metrics_.RecordReject(static_cast<int>(status.code()));
     metrics_.RecordLatency(method, SecondsSince(start));
     reactor->Finish(ToGrpcStatus(status));
@@ -73,10 +72,11 @@ grpc::ServerUnaryReactor* CalibrationService::CreateSession(
     const pb::CreateSessionRequest* request, pb::Session* response) {
   return Unary(
       context, "CreateSession", /*offload=*/true,
-      [this, request, response]() -> absl::Status {
+      [this, request, response](const std::string& tenant) -> absl::Status {
         absl::StatusOr<Geometry> geometry = GeometryFromProto(*request);
         if (!geometry.ok()) return geometry.status();
-        auto session = registry_.Create(request->session_id(), *geometry);
+        auto session =
+            registry_.Create(tenant, request->session_id(), *geometry);
         if (!session.ok()) return session.status();
         auto info = (*session)->Info();
         if (!info.ok()) return info.status();
@@ -88,15 +88,16 @@ grpc::ServerUnaryReactor* CalibrationService::CreateSession(
 grpc::ServerUnaryReactor* CalibrationService::GetSession(
     grpc::CallbackServerContext* context, const pb::GetSessionRequest* request,
     pb::Session* response) {
-  return Unary(context, "GetSession", /*offload=*/true,
-               [this, request, response]() -> absl::Status {
-                 auto session = registry_.Get(request->session_id());
-                 if (!session.ok()) return session.status();
-                 auto info = (*session)->Info();
-                 if (!info.ok()) return info.status();
-                 SessionInfoToProto(*info, response);
-                 return absl::OkStatus();
-               });
+  return Unary(
+      context, "GetSession", /*offload=*/true,
+      [this, request, response](const std::string& tenant) -> absl::Status {
+        auto session = registry_.Get(tenant, request->session_id());
+        if (!session.ok()) return session.status();
+        auto info = (*session)->Info();
+        if (!info.ok()) return info.status();
+        SessionInfoToProto(*info, response);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* CalibrationService::ListSessions(
@@ -104,8 +105,8 @@ grpc::ServerUnaryReactor* CalibrationService::ListSessions(
     const pb::ListSessionsRequest* /*request*/,
     pb::ListSessionsResponse* response) {
   return Unary(context, "ListSessions", /*offload=*/true,
-               [this, response]() -> absl::Status {
-                 for (const auto& session : registry_.List()) {
+               [this, response](const std::string& tenant) -> absl::Status {
+                 for (const auto& session : registry_.List(tenant)) {
                    auto info = session->Info();
                    if (!info.ok()) return info.status();
                    SessionInfoToProto(*info, response->add_sessions());
@@ -119,69 +120,70 @@ grpc::ServerUnaryReactor* CalibrationService::DeleteSession(
     const pb::DeleteSessionRequest* request,
     pb::DeleteSessionResponse* /*response*/) {
   return Unary(context, "DeleteSession", /*offload=*/false,
-               [this, request]() -> absl::Status {
+               [this, request](const std::string& tenant) -> absl::Status {
                  if (persister_ != nullptr) {
-                   return persister_->Delete(request->session_id());
+                   return persister_->Delete(tenant, request->session_id());
                  }
-                 return registry_.Delete(request->session_id());
+                 return registry_.Delete(tenant, request->session_id());
                });
 }
 
 grpc::ServerUnaryReactor* CalibrationService::Finalize(
     grpc::CallbackServerContext* context, const pb::FinalizeRequest* request,
     pb::FinalizeResponse* response) {
-  return Unary(context, "Finalize", /*offload=*/true,
-               [this, request, response]() -> absl::Status {
-                 auto session = registry_.Get(request->session_id());
-                 if (!session.ok()) return session.status();
-                 absl::StatusOr<ScaleOptions> options =
-                     ScaleOptionsFromProto(*request);
-                 if (!options.ok()) return options.status();
-                 auto result = (*session)->Finalize(*options);
-                 if (!result.ok()) return result.status();
-                 ScaleResultToProto(*result, response);
-                 return absl::OkStatus();
-               });
+  return Unary(
+      context, "Finalize", /*offload=*/true,
+      [this, request, response](const std::string& tenant) -> absl::Status {
+        auto session = registry_.Get(tenant, request->session_id());
+        if (!session.ok()) return session.status();
+        absl::StatusOr<ScaleOptions> options = ScaleOptionsFromProto(*request);
+        if (!options.ok()) return options.status();
+        auto result = (*session)->Finalize(*options);
+        if (!result.ok()) return result.status();
+        ScaleResultToProto(*result, response);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* CalibrationService::ExportState(
     grpc::CallbackServerContext* context, const pb::ExportStateRequest* request,
     pb::SessionState* response) {
-  return Unary(context, "ExportState", /*offload=*/true,
-               [this, request, response]() -> absl::Status {
-                 auto session = registry_.Get(request->session_id());
-                 if (!session.ok()) return session.status();
-                 auto snapshot = (*session)->Export();
-                 if (!snapshot.ok()) return snapshot.status();
-                 SnapshotToProto((*session)->id(), *snapshot, response);
-                 return absl::OkStatus();
-               });
+  return Unary(
+      context, "ExportState", /*offload=*/true,
+      [this, request, response](const std::string& tenant) -> absl::Status {
+        auto session = registry_.Get(tenant, request->session_id());
+        if (!session.ok()) return session.status();
+        auto snapshot = (*session)->Export();
+        if (!snapshot.ok()) return snapshot.status();
+        SnapshotToProto((*session)->id(), *snapshot, response);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* CalibrationService::ImportState(
     grpc::CallbackServerContext* context, const pb::ImportStateRequest* request,
     pb::Session* response) {
-  return Unary(context, "ImportState", /*offload=*/true,
-               [this, request, response]() -> absl::Status {
-                 absl::Status id_ok =
-                     ValidateSessionId(request->session_id(), false);
-                 if (!id_ok.ok()) return id_ok;
-                 auto snapshot = SnapshotFromProto(request->state());
-                 if (!snapshot.ok()) return snapshot.status();
-                 auto session = registry_.Import(
-                     request->session_id(), *snapshot, request->import_id());
-                 if (!session.ok()) return session.status();
-                 auto info = (*session)->Info();
-                 if (!info.ok()) return info.status();
-                 SessionInfoToProto(*info, response);
-                 return absl::OkStatus();
-               });
+  return Unary(
+      context, "ImportState", /*offload=*/true,
+      [this, request, response](const std::string& tenant) -> absl::Status {
+        absl::Status id_ok = ValidateSessionId(request->session_id(), false);
+        if (!id_ok.ok()) return id_ok;
+        auto snapshot = SnapshotFromProto(request->state());
+        if (!snapshot.ok()) return snapshot.status();
+        auto session = registry_.Import(tenant, request->session_id(),
+                                        *snapshot, request->import_id());
+        if (!session.ok()) return session.status();
+        auto info = (*session)->Info();
+        if (!info.ok()) return info.status();
+        SessionInfoToProto(*info, response);
+        return absl::OkStatus();
+      });
 }
 
 absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
-    const pb::IngestRequest& request) {
+    const std::string& tenant, const pb::IngestRequest& request) {
   const std::string producer = ResolveProducerId(request.producer_id());
-  auto session = registry_.Get(request.session_id());
+  auto session = registry_.Get(tenant, request.session_id());
   if (!session.ok()) {
     return absl::Status(
         session.status().code(),
@@ -228,16 +230,17 @@ class IngestReactor final
                 grpc::CallbackServerContext* context)
       : service_(service), start_(Clock::now()) {
     service_->metrics_.StreamOpened();
-    absl::Status auth =
+    absl::StatusOr<std::string> tenant =
         service_->RegisterStream(this)
             ? service_->Authorize(context)
             : absl::UnavailableError("the worker is shutting down");
-    if (!auth.ok()) {
-      service_->metrics_.RecordReject(static_cast<int>(auth.code()));
+    if (!tenant.ok()) {
+      service_->metrics_.RecordReject(static_cast<int>(tenant.status().code()));
       finished_ = true;
-      Finish(ToGrpcStatus(auth));
+      Finish(ToGrpcStatus(tenant.status()));
       return;
     }
+    tenant_ = *std::move(tenant);
     StartNextRead();
   }
 
@@ -418,7 +421,7 @@ class IngestReactor final
         return;
       }
       absl::StatusOr<pb::IngestResponse> response =
-          service_->ApplyChunk(*request);
+          service_->ApplyChunk(tenant_, *request);
       {
         std::lock_guard<std::mutex> lock(mu_);
         const int64_t bytes = static_cast<int64_t>(request->data().size());
@@ -451,6 +454,7 @@ class IngestReactor final
 
   CalibrationService* const service_;
   const Clock::time_point start_;
+  std::string tenant_;  // set once, before the first read
   std::mutex mu_;
   std::unique_ptr<pb::IngestRequest> read_buffer_;
   std::deque<std::unique_ptr<pb::IngestRequest>> pending_;

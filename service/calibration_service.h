@@ -93,7 +93,10 @@ class CalibrationService final
   bool RegisterStream(IngestReactor* reactor);
   void UnregisterStream(IngestReactor* reactor);
 
-  absl::Status Authorize(grpc::CallbackServerContext* context) const;
+  // The caller's tenant (kDefaultTenant without --auth-token-file), or
+  // Unauthenticated.
+  absl::StatusOr<std::string> Authorize(
+      grpc::CallbackServerContext* context) const;
   // Runs `body` (inline or on the executor), records latency and rejects,
   // and finishes the reactor with its status.
   template <typename Body>
@@ -101,7 +104,7 @@ class CalibrationService final
                                   const char* method, bool offload, Body body);
   // Applies one chunk; the response or the status that ends the stream.
   absl::StatusOr<kvcal::v1::IngestResponse> ApplyChunk(
-      const kvcal::v1::IngestRequest& request);
+      const std::string& tenant, const kvcal::v1::IngestRequest& request);
 
   // In-flight accounting shared by all Ingest streams.
   void AddInflight(int64_t delta);

@@ -13,22 +13,26 @@ std::string ResolveProducerId(absl::string_view producer_id) {
                              : std::string(producer_id);
 }
 
-Session::Session(std::string id, const Geometry& geometry,
+Session::Session(std::string id, std::string tenant, const Geometry& geometry,
                  std::unique_ptr<StatisticsBackend> backend)
-    : id_(std::move(id)), geometry_(geometry), backend_(std::move(backend)) {}
+    : id_(std::move(id)),
+      tenant_(std::move(tenant)),
+      geometry_(geometry),
+      backend_(std::move(backend)) {}
 
 absl::StatusOr<std::shared_ptr<Session>> Session::Create(
-    std::string id, const Geometry& geometry, const SessionOptions& options) {
+    std::string id, std::string tenant, const Geometry& geometry,
+    const SessionOptions& options) {
   KVCAL_RETURN_IF_ERROR(geometry.Validate());
   KVCAL_ASSIGN_OR_RETURN(
       std::unique_ptr<StatisticsBackend> backend,
       CreateBackend(options.backend, geometry, options.backend_options));
-  return std::shared_ptr<Session>(
-      new Session(std::move(id), geometry, std::move(backend)));
+  return std::shared_ptr<Session>(new Session(std::move(id), std::move(tenant),
+                                              geometry, std::move(backend)));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
-    std::string id, const SessionSnapshot& snapshot,
+    std::string id, std::string tenant, const SessionSnapshot& snapshot,
     const SessionOptions& options, absl::string_view import_id) {
   KVCAL_ASSIGN_OR_RETURN(SessionStatistics stats,
                          SessionStatistics::Deserialize(snapshot.statistics));
@@ -38,8 +42,9 @@ absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
                      "} does not match its statistics {",
                      stats.geometry().DebugString(), "}"));
   }
-  KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
-                         Create(std::move(id), snapshot.geometry, options));
+  KVCAL_ASSIGN_OR_RETURN(
+      std::shared_ptr<Session> session,
+      Create(std::move(id), std::move(tenant), snapshot.geometry, options));
   KVCAL_RETURN_IF_ERROR(session->backend_->Merge(stats));
   session->chunks_applied_ = snapshot.counters.chunks_applied;
   session->values_ingested_ = snapshot.counters.values_ingested;

@@ -78,16 +78,19 @@ std::string ResolveProducerId(absl::string_view producer_id);
 class Session {
  public:
   static absl::StatusOr<std::shared_ptr<Session>> Create(
-      std::string id, const Geometry& geometry, const SessionOptions& options);
+      std::string id, std::string tenant, const Geometry& geometry,
+      const SessionOptions& options);
 
   // Creates a session from an exported state, restoring statistics, counters,
   // watermarks and applied import ids exactly; `import_id`, if non-empty, is
   // recorded as applied.
   static absl::StatusOr<std::shared_ptr<Session>> FromSnapshot(
-      std::string id, const SessionSnapshot& snapshot,
+      std::string id, std::string tenant, const SessionSnapshot& snapshot,
       const SessionOptions& options, absl::string_view import_id);
 
   const std::string& id() const { return id_; }
+  // The tenant that created the session.
+  const std::string& tenant() const { return tenant_; }
   const Geometry& geometry() const { return geometry_; }
 
   // Exactly-once ingest of one chunk (CONTRACT.md "Ingest"): the chunk is
@@ -130,12 +133,13 @@ class Session {
     uint64_t durable_watermark = 0;
   };
 
-  Session(std::string id, const Geometry& geometry,
+  Session(std::string id, std::string tenant, const Geometry& geometry,
           std::unique_ptr<StatisticsBackend> backend);
   Producer* FindProducer(const std::string& producer_id, bool create);
   std::vector<ProducerInfo> ProducerInfos();
 
   const std::string id_;
+  const std::string tenant_;
   const Geometry geometry_;
   std::unique_ptr<StatisticsBackend> backend_;
 

@@ -27,10 +27,13 @@ absl::Status SessionPersister::Restore() {
   std::lock_guard<std::mutex> lock(mu_);
   for (StoredState& stored : states) {
     const std::string& id = stored.state.session_id();
+    const std::string tenant = stored.state.tenant().empty()
+                                   ? std::string(kDefaultTenant)
+                                   : stored.state.tenant();
     absl::StatusOr<SessionSnapshot> snapshot = SnapshotFromProto(stored.state);
     absl::StatusOr<std::shared_ptr<Session>> session =
         snapshot.ok()
-            ? registry_->Import(id, *snapshot, "")
+            ? registry_->Import(tenant, id, *snapshot, "")
             : absl::StatusOr<std::shared_ptr<Session>>(snapshot.status());
     if (!session.ok()) {
       KVCAL_LOG(ERROR) << "state dir: cannot restore " << stored.path << ": "
@@ -38,7 +41,8 @@ absl::Status SessionPersister::Restore() {
       continue;
     }
     (*session)->MarkDurable(snapshot->producers);
-    saved_change_count_[id] = (*session)->change_count();
+    saved_change_count_[store_.PathFor(tenant, id)] =
+        (*session)->change_count();
     KVCAL_LOG(INFO) << "restored session '" << id << "' ("
                     << snapshot->counters.chunks_applied << " chunks) from "
                     << stored.path;
@@ -69,25 +73,27 @@ void SessionPersister::Stop() {
 absl::Status SessionPersister::SaveLocked(
     const std::shared_ptr<Session>& session) {
   const uint64_t changes = session->change_count();
-  auto it = saved_change_count_.find(session->id());
+  const std::string path = store_.PathFor(session->tenant(), session->id());
+  auto it = saved_change_count_.find(path);
   if (it != saved_change_count_.end() && it->second == changes) {
     return absl::OkStatus();
   }
   KVCAL_ASSIGN_OR_RETURN(SessionSnapshot snapshot, session->Export());
   kvcal::v1::SessionState state;
   SnapshotToProto(session->id(), snapshot, &state);
-  KVCAL_RETURN_IF_ERROR(store_.Save(session->id(), state));
+  state.set_tenant(session->tenant());
+  KVCAL_RETURN_IF_ERROR(store_.Save(session->tenant(), session->id(), state));
   session->MarkDurable(snapshot.producers);
   // Changes made between reading `changes` and the export are in the file
   // too; recording the earlier count at worst writes the session once more.
-  saved_change_count_[session->id()] = changes;
+  saved_change_count_[path] = changes;
   return absl::OkStatus();
 }
 
 absl::Status SessionPersister::SaveAll() {
   std::lock_guard<std::mutex> lock(mu_);
   absl::Status first;
-  for (const std::shared_ptr<Session>& session : registry_->List()) {
+  for (const std::shared_ptr<Session>& session : registry_->ListAll()) {
     absl::Status status = SaveLocked(session);
     if (!status.ok()) {
       KVCAL_LOG(ERROR) << "cannot persist session '" << session->id()
@@ -100,11 +106,13 @@ absl::Status SessionPersister::SaveAll() {
   return first;
 }
 
-absl::Status SessionPersister::Delete(absl::string_view session_id) {
+absl::Status SessionPersister::Delete(absl::string_view tenant,
+                                      absl::string_view session_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  KVCAL_RETURN_IF_ERROR(registry_->Delete(session_id));
-  saved_change_count_.erase(std::string(session_id));
-  absl::Status removed = store_.Remove(std::string(session_id));
+  KVCAL_RETURN_IF_ERROR(registry_->Delete(tenant, session_id));
+  const std::string tenant_name(tenant), id(session_id);
+  saved_change_count_.erase(store_.PathFor(tenant_name, id));
+  absl::Status removed = store_.Remove(tenant_name, id);
   if (!removed.ok()) {
     KVCAL_LOG(ERROR) << "session '" << session_id
                      << "' deleted, but its state file remains: "

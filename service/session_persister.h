@@ -37,7 +37,7 @@ class SessionPersister {
   absl::Status SaveAll();
   // Deletes a session from the registry and its file, atomically with
   // respect to the periodic writer.
-  absl::Status Delete(absl::string_view session_id);
+  absl::Status Delete(absl::string_view tenant, absl::string_view session_id);
   void Stop();
 
  private:
@@ -48,6 +48,7 @@ class SessionPersister {
   StateStore store_;
   const std::chrono::milliseconds interval_;
   std::mutex mu_;  // serialises saves and deletes
+  // Keyed by the session's state file path.
   std::map<std::string, uint64_t> saved_change_count_;  // guarded by mu_
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;

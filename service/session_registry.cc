@@ -32,39 +32,67 @@ absl::Status ValidateSessionId(absl::string_view id, bool allow_empty) {
 SessionRegistry::SessionRegistry(RegistryOptions options)
     : options_(std::move(options)) {}
 
-std::string SessionRegistry::NewSessionId() {
+std::string SessionRegistry::NewSessionId(absl::string_view tenant) {
   static thread_local std::mt19937_64 rng(std::random_device{}());
   for (;;) {
     std::string id = absl::StrFormat("s-%016x", rng());
-    if (sessions_.find(id) == sessions_.end()) return id;
+    if (sessions_.find(Key(tenant, id)) == sessions_.end()) return id;
   }
 }
 
-absl::Status SessionRegistry::CheckLimits(const Geometry& geometry) {
-  if (options_.max_sessions != 0 && sessions_.size() >= options_.max_sessions) {
+absl::Status SessionRegistry::CheckLimits(absl::string_view tenant,
+                                          const Geometry& geometry) {
+  const uint64_t need = EstimateStateBytes(geometry);
+  if (options_.max_sessions != 0 && total_.sessions >= options_.max_sessions) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the worker holds its maximum of ", options_.max_sessions,
                      " sessions (--max-sessions); delete one first"));
   }
-  const uint64_t need = EstimateStateBytes(geometry);
   if (options_.memory_budget_bytes != 0 &&
-      state_bytes_ + need > options_.memory_budget_bytes) {
+      total_.bytes + need > options_.memory_budget_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("a session of geometry {", geometry.DebugString(),
-                     "} needs ", need, " bytes of state; ", state_bytes_,
+                     "} needs ", need, " bytes of state; ", total_.bytes,
                      " of the ", options_.memory_budget_bytes,
                      " byte budget (--memory-budget-bytes) are in use"));
+  }
+  auto it = usage_.find(tenant);
+  const Usage usage = it == usage_.end() ? Usage() : it->second;
+  if (options_.max_sessions_per_tenant != 0 &&
+      usage.sessions >= options_.max_sessions_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant '", tenant, "' holds its maximum of ",
+        options_.max_sessions_per_tenant,
+        " sessions (--max-sessions-per-tenant); delete one first"));
+  }
+  if (options_.memory_budget_bytes_per_tenant != 0 &&
+      usage.bytes + need > options_.memory_budget_bytes_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a session of geometry {", geometry.DebugString(), "} needs ", need,
+        " bytes of state; tenant '", tenant, "' uses ", usage.bytes, " of its ",
+        options_.memory_budget_bytes_per_tenant,
+        " byte budget (--memory-budget-bytes-per-tenant)"));
   }
   return absl::OkStatus();
 }
 
+void SessionRegistry::Add(const std::shared_ptr<Session>& session) {
+  const uint64_t bytes = session->state_bytes();
+  Usage& usage = usage_[session->tenant()];
+  ++usage.sessions;
+  usage.bytes += bytes;
+  ++total_.sessions;
+  total_.bytes += bytes;
+  sessions_.emplace(Key(session->tenant(), session->id()), session);
+}
+
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
-    absl::string_view id, const Geometry& geometry) {
+    absl::string_view tenant, absl::string_view id, const Geometry& geometry) {
   KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/true));
   KVCAL_RETURN_IF_ERROR(geometry.Validate());
   std::lock_guard<std::mutex> lock(mu_);
   if (!id.empty()) {
-    auto it = sessions_.find(id);
+    auto it = sessions_.find(Key(tenant, id));
     if (it != sessions_.end()) {
       if (it->second->geometry() == geometry) return it->second;
       return absl::AlreadyExistsError(
@@ -73,49 +101,66 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
                        geometry.DebugString(), "}"));
     }
   }
-  KVCAL_RETURN_IF_ERROR(CheckLimits(geometry));
-  std::string new_id = id.empty() ? NewSessionId() : std::string(id);
+  KVCAL_RETURN_IF_ERROR(CheckLimits(tenant, geometry));
+  std::string new_id = id.empty() ? NewSessionId(tenant) : std::string(id);
   KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
-                         Session::Create(new_id, geometry, options_.session));
-  state_bytes_ += session->state_bytes();
-  sessions_.emplace(std::move(new_id), session);
+                         Session::Create(std::move(new_id), std::string(tenant),
+                                         geometry, options_.session));
+  Add(session);
   return session;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Get(
-    absl::string_view id) {
+    absl::string_view tenant, absl::string_view id) {
   KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/false));
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(id);
+  auto it = sessions_.find(Key(tenant, id));
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
   }
   return it->second;
 }
 
-std::vector<std::shared_ptr<Session>> SessionRegistry::List() {
+std::vector<std::shared_ptr<Session>> SessionRegistry::List(
+    absl::string_view tenant) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::shared_ptr<Session>> out;
-  out.reserve(sessions_.size());
-  for (const auto& [id, session] : sessions_) out.push_back(session);
+  for (auto it = sessions_.lower_bound(Key(tenant, ""));
+       it != sessions_.end() && it->first.first == tenant; ++it) {
+    out.push_back(it->second);
+  }
   return out;
 }
 
-absl::Status SessionRegistry::Delete(absl::string_view id) {
+std::vector<std::shared_ptr<Session>> SessionRegistry::ListAll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  out.reserve(sessions_.size());
+  for (const auto& [key, session] : sessions_) out.push_back(session);
+  return out;
+}
+
+absl::Status SessionRegistry::Delete(absl::string_view tenant,
+                                     absl::string_view id) {
   KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/false));
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(id);
+  auto it = sessions_.find(Key(tenant, id));
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
   }
-  state_bytes_ -= it->second->state_bytes();
+  const uint64_t bytes = it->second->state_bytes();
+  Usage& usage = usage_[std::string(tenant)];
+  --usage.sessions;
+  usage.bytes -= bytes;
+  --total_.sessions;
+  total_.bytes -= bytes;
   sessions_.erase(it);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Import(
-    absl::string_view id, const SessionSnapshot& snapshot,
-    absl::string_view import_id) {
+    absl::string_view tenant, absl::string_view id,
+    const SessionSnapshot& snapshot, absl::string_view import_id) {
   KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/false));
   if (absl::Status s = snapshot.geometry.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(
@@ -124,15 +169,15 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Import(
   std::shared_ptr<Session> existing;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = sessions_.find(id);
+    auto it = sessions_.find(Key(tenant, id));
     if (it == sessions_.end()) {
-      KVCAL_RETURN_IF_ERROR(CheckLimits(snapshot.geometry));
-      absl::StatusOr<std::shared_ptr<Session>> created = Session::FromSnapshot(
-          std::string(id), snapshot, options_.session, import_id);
-      if (!created.ok()) return created.status();
-      state_bytes_ += (*created)->state_bytes();
-      sessions_.emplace(std::string(id), *created);
-      return *created;
+      KVCAL_RETURN_IF_ERROR(CheckLimits(tenant, snapshot.geometry));
+      KVCAL_ASSIGN_OR_RETURN(
+          std::shared_ptr<Session> created,
+          Session::FromSnapshot(std::string(id), std::string(tenant), snapshot,
+                                options_.session, import_id));
+      Add(created);
+      return created;
     }
     existing = it->second;
   }
@@ -147,7 +192,7 @@ size_t SessionRegistry::size() {
 
 uint64_t SessionRegistry::state_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
-  return state_bytes_;
+  return total_.bytes;
 }
 
 }  // namespace kvcal::service

@@ -1,9 +1,12 @@
-// All sessions of one worker, with the limits that protect it: a maximum
-// session count and a memory budget for statistics state.
+// All sessions of one worker, partitioned by tenant, with the limits that
+// protect it: session counts and statistics memory, worker-wide and per
+// tenant. A session belongs to the tenant that created it; to every other
+// tenant it does not exist (NotFound, absent from List).
 //
 //   SessionRegistry registry({.max_sessions = 64,
 //                             .memory_budget_bytes = 8ull << 30});
-//   KVCAL_ASSIGN_OR_RETURN(auto session, registry.Create("", geometry));
+//   KVCAL_ASSIGN_OR_RETURN(auto session, registry.Create("team-a", "",
+//   geometry));
 #ifndef KVCAL_SERVICE_SESSION_REGISTRY_H_
 #define KVCAL_SERVICE_SESSION_REGISTRY_H_
 
@@ -12,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -20,11 +24,17 @@
 
 namespace kvcal::service {
 
+// The tenant of every RPC when no --auth-token-file is given, and of bare
+// tokens.
+inline constexpr absl::string_view kDefaultTenant = "default";
+
 struct RegistryOptions {
   SessionOptions session;
   // 0 = unlimited.
   uint64_t max_sessions = 0;
   uint64_t memory_budget_bytes = 0;
+  uint64_t max_sessions_per_tenant = 0;
+  uint64_t memory_budget_bytes_per_tenant = 0;
 };
 
 // CONTRACT.md "Sessions": [A-Za-z0-9._-]{1,128}. `allow_empty` for
@@ -37,30 +47,43 @@ class SessionRegistry {
 
   // Idempotent: an existing id with an identical geometry returns the
   // session; a different one is AlreadyExists.
-  absl::StatusOr<std::shared_ptr<Session>> Create(absl::string_view id,
+  absl::StatusOr<std::shared_ptr<Session>> Create(absl::string_view tenant,
+                                                  absl::string_view id,
                                                   const Geometry& geometry);
-  absl::StatusOr<std::shared_ptr<Session>> Get(absl::string_view id);
-  std::vector<std::shared_ptr<Session>> List();
-  absl::Status Delete(absl::string_view id);
+  absl::StatusOr<std::shared_ptr<Session>> Get(absl::string_view tenant,
+                                               absl::string_view id);
+  // The tenant's sessions, ordered by id.
+  std::vector<std::shared_ptr<Session>> List(absl::string_view tenant);
+  // Every session of every tenant (persistence).
+  std::vector<std::shared_ptr<Session>> ListAll();
+  absl::Status Delete(absl::string_view tenant, absl::string_view id);
 
   // ImportState: creates the session from `snapshot` when `id` does not
-  // exist, else merges into it (Session::Merge).
+  // exist for `tenant`, else merges into it (Session::Merge).
   absl::StatusOr<std::shared_ptr<Session>> Import(
-      absl::string_view id, const SessionSnapshot& snapshot,
-      absl::string_view import_id);
+      absl::string_view tenant, absl::string_view id,
+      const SessionSnapshot& snapshot, absl::string_view import_id);
 
   size_t size();
   uint64_t state_bytes();
 
  private:
-  absl::Status CheckLimits(const Geometry& geometry);  // mu_ held
-  std::string NewSessionId();                          // mu_ held
+  using Key = std::pair<std::string, std::string>;  // (tenant, id)
+  struct Usage {
+    uint64_t sessions = 0;
+    uint64_t bytes = 0;
+  };
+
+  absl::Status CheckLimits(absl::string_view tenant,
+                           const Geometry& geometry);  // mu_ held
+  std::string NewSessionId(absl::string_view tenant);  // mu_ held
+  void Add(const std::shared_ptr<Session>& session);   // mu_ held
 
   const RegistryOptions options_;
   std::mutex mu_;
-  std::map<std::string, std::shared_ptr<Session>, std::less<>> sessions_;
-  uint64_t state_bytes_ = 0;  // guarded by mu_
-  uint64_t next_id_ = 1;      // guarded by mu_
+  std::map<Key, std::shared_ptr<Session>> sessions_;  // guarded by mu_
+  std::map<std::string, Usage, std::less<>> usage_;   // guarded by mu_
+  Usage total_;                                       // guarded by mu_
 };
 
 }  // namespace kvcal::service

@@ -52,8 +52,12 @@ absl::Status FsyncDir(const std::string& dir) {
 
 }  // namespace
 
-std::string StateStore::PathFor(const std::string& session_id) const {
-  return absl::StrCat(dir_, "/", session_id, kSuffix);
+std::string StateStore::PathFor(const std::string& tenant,
+                                const std::string& session_id) const {
+  if (tenant.empty() || tenant == "default") {
+    return absl::StrCat(dir_, "/", session_id, kSuffix);
+  }
+  return absl::StrCat(dir_, "/", tenant, "~", session_id, kSuffix);
 }
 
 absl::Status StateStore::Open() {
@@ -104,9 +108,10 @@ absl::StatusOr<kvcal::v1::SessionState> StateStore::Parse(
   return state;
 }
 
-absl::Status StateStore::Save(const std::string& session_id,
+absl::Status StateStore::Save(const std::string& tenant,
+                              const std::string& session_id,
                               const kvcal::v1::SessionState& state) {
-  const std::string path = PathFor(session_id);
+  const std::string path = PathFor(tenant, session_id);
   const std::string temp = path + ".tmp";
   const std::string bytes = Encode(state);
   const int fd =
@@ -125,8 +130,9 @@ absl::Status StateStore::Save(const std::string& session_id,
   return FsyncDir(dir_);
 }
 
-absl::Status StateStore::Remove(const std::string& session_id) {
-  const std::string path = PathFor(session_id);
+absl::Status StateStore::Remove(const std::string& tenant,
+                                const std::string& session_id) {
+  const std::string path = PathFor(tenant, session_id);
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
     return Errno("cannot remove", path);
   }

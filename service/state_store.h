@@ -33,9 +33,11 @@ class StateStore {
   // Creates the directory if needed and checks that it is writable.
   absl::Status Open();
 
-  absl::Status Save(const std::string& session_id,
+  // Files are named <id>.kvstate for the default tenant and
+  // <tenant>~<id>.kvstate for others ('~' appears in neither).
+  absl::Status Save(const std::string& tenant, const std::string& session_id,
                     const kvcal::v1::SessionState& state);
-  absl::Status Remove(const std::string& session_id);
+  absl::Status Remove(const std::string& tenant, const std::string& session_id);
 
   // Every readable state. A corrupt or truncated file is reported in
   // `problems` and renamed to <name>.corrupt-<time> so start-up goes on.
@@ -47,7 +49,8 @@ class StateStore {
   static std::string Encode(const kvcal::v1::SessionState& state);
 
   const std::string& dir() const { return dir_; }
-  std::string PathFor(const std::string& session_id) const;
+  std::string PathFor(const std::string& tenant,
+                      const std::string& session_id) const;
 
  private:
   std::string dir_;

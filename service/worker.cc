@@ -67,6 +67,10 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   service_options.registry.session.backend_options.device = options.device;
   service_options.registry.max_sessions = options.max_sessions;
   service_options.registry.memory_budget_bytes = options.memory_budget_bytes;
+  service_options.registry.max_sessions_per_tenant =
+      options.max_sessions_per_tenant;
+  service_options.registry.memory_budget_bytes_per_tenant =
+      options.memory_budget_bytes_per_tenant;
   service_options.executor_threads =
       options.executor_threads > 0
           ? options.executor_threads

@@ -30,6 +30,8 @@ struct WorkerOptions {
   int max_message_bytes = 64 << 20;
   uint64_t max_sessions = 0;
   uint64_t memory_budget_bytes = 0;
+  uint64_t max_sessions_per_tenant = 0;
+  uint64_t memory_budget_bytes_per_tenant = 0;
   std::string auth_token_file;
   std::string tls_cert;
   std::string tls_key;

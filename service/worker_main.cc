@@ -56,6 +56,13 @@ int main(int argc, char** argv) {
   app.add_option("--memory-budget-bytes", options.memory_budget_bytes,
                  "statistics memory for all sessions; 0 = unlimited")
       ->capture_default_str();
+  app.add_option("--max-sessions-per-tenant", options.max_sessions_per_tenant,
+                 "0 = unlimited")
+      ->capture_default_str();
+  app.add_option("--memory-budget-bytes-per-tenant",
+                 options.memory_budget_bytes_per_tenant,
+                 "statistics memory per tenant; 0 = unlimited")
+      ->capture_default_str();
   app.add_option("--max-inflight-bytes", options.max_inflight_bytes,
                  "received but not yet applied chunk bytes before reads pause")
       ->capture_default_str();

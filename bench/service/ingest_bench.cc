@@ -107,8 +107,8 @@ std::string RandomBf16(size_t values, uint64_t seed) {
 }
 
 // Streams `chunks` chunks over `streams` concurrent streams; returns seconds.
-double Run(const std::string& address, const std::string& session,
-           int streams, int chunks, const std::vector<std::string>& payloads) {
+double Run(const std::string& address, const std::string& session, int streams,
+           int chunks, const std::vector<std::string>& payloads) {
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(64 << 20);
   args.SetMaxReceiveMessageSize(64 << 20);
@@ -208,10 +208,11 @@ int main(int argc, char** argv) {
       "127.0.0.1:" + std::to_string((*worker)->port());
   const std::string sink_address = "127.0.0.1:" + std::to_string(sink_port);
 
-  std::printf("kvcal ingest benchmark: %d chunks of %.0f MiB bf16 per run, "
-              "backend %s, %u bins/octave, %u hardware threads\n",
-              chunks, bytes_per_chunk / (1 << 20), backend.c_str(), bins,
-              std::thread::hardware_concurrency());
+  std::printf(
+      "kvcal ingest benchmark: %d chunks of %.0f MiB bf16 per run, "
+      "backend %s, %u bins/octave, %u hardware threads\n",
+      chunks, bytes_per_chunk / (1 << 20), backend.c_str(), bins,
+      std::thread::hardware_concurrency());
   std::printf("%-8s %14s %14s %8s\n", "streams", "worker GB/s", "sink GB/s",
               "ratio");
   int run = 0;
@@ -219,14 +220,19 @@ int main(int argc, char** argv) {
     // A fresh session per run so every chunk is applied, not a duplicate.
     const std::string session = "bench-" + std::to_string(run++);
     kvcal::Geometry geometry{kLayers, kHeads, kHeads, kHeadDim, bins, 0b111};
-    if (!(*worker)->service().registry().Create(session, geometry).ok()) {
+    if (!(*worker)
+             ->service()
+             .registry()
+             .Create(kvcal::service::kDefaultTenant, session, geometry)
+             .ok()) {
       std::fprintf(stderr, "cannot create session\n");
       return 1;
     }
     const int total = (chunks / streams) * streams;
     // Warm-up on both, then the measured runs.
     Run(sink_address, session, streams, streams * 2, payloads);
-    const double sink_seconds = Run(sink_address, session, streams, total, payloads);
+    const double sink_seconds =
+        Run(sink_address, session, streams, total, payloads);
     const double worker_seconds =
         Run(worker_address, session, streams, total, payloads);
     const double gb = total * bytes_per_chunk / 1e9;

@@ -43,8 +43,8 @@ TEST(SessionRegistryTest, LimitsAreResourceExhausted) {
   options.max_sessions = 1;
   SessionRegistry registry(options);
   Geometry g{2, 4, 2, 8, 0, 0b111};
-  ASSERT_TRUE(registry.Create("a", g).ok());
-  auto second = registry.Create("b", g);
+  ASSERT_TRUE(registry.Create("t", "a", g).ok());
+  auto second = registry.Create("t", "b", g);
   EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(second.status().message()),
               HasSubstr("--max-sessions"));
@@ -53,13 +53,46 @@ TEST(SessionRegistryTest, LimitsAreResourceExhausted) {
   budget.session.backend = BackendKind::kCpu;
   budget.memory_budget_bytes = EstimateStateBytes(g) + 1;
   SessionRegistry small(budget);
-  ASSERT_TRUE(small.Create("a", g).ok());
+  ASSERT_TRUE(small.Create("t", "a", g).ok());
   Geometry with_histograms = g;
   with_histograms.bins_per_octave = 128;
-  EXPECT_EQ(small.Create("b", with_histograms).status().code(),
+  EXPECT_EQ(small.Create("t", "b", with_histograms).status().code(),
             absl::StatusCode::kResourceExhausted);
-  ASSERT_TRUE(small.Delete("a").ok());
-  EXPECT_TRUE(small.Create("b", g).ok()) << "deleting frees the budget";
+  ASSERT_TRUE(small.Delete("t", "a").ok());
+  EXPECT_TRUE(small.Create("t", "b", g).ok()) << "deleting frees the budget";
+}
+
+TEST(SessionRegistryTest, TenantsAreIsolatedAndLimitedSeparately) {
+  RegistryOptions options;
+  options.session.backend = BackendKind::kCpu;
+  options.max_sessions_per_tenant = 1;
+  SessionRegistry registry(options);
+  Geometry g{2, 4, 2, 8, 0, 0b111};
+  ASSERT_TRUE(registry.Create("a", "shared-name", g).ok());
+  // Another tenant has its own namespace: same id, no conflict, no leak.
+  Geometry other = g;
+  other.head_dim = 16;
+  ASSERT_TRUE(registry.Create("b", "shared-name", other).ok());
+  EXPECT_EQ(registry.Get("a", "shared-name").value()->geometry().head_dim, 8u);
+  EXPECT_EQ(registry.Get("b", "shared-name").value()->geometry().head_dim, 16u);
+  EXPECT_EQ(registry.Get("c", "shared-name").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.List("a").size(), 1u);
+  EXPECT_EQ(registry.List("c").size(), 0u);
+  EXPECT_EQ(registry.ListAll().size(), 2u);
+  EXPECT_EQ(registry.Delete("c", "shared-name").code(),
+            absl::StatusCode::kNotFound);
+  auto second = registry.Create("a", "another", g);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(second.status().message()),
+              HasSubstr("--max-sessions-per-tenant"));
+  EXPECT_TRUE(registry.Create("c", "another", g).ok());
+}
+
+TEST(TokenAuthenticatorTest, RejectsBadTenantNames) {
+  EXPECT_FALSE(TokenAuthenticator::FromText("a b:token\n").ok());
+  EXPECT_FALSE(TokenAuthenticator::FromText("x~y:token\n").ok());
+  EXPECT_TRUE(TokenAuthenticator::FromText("team.a-1_b:token\n").ok());
 }
 
 TEST(ProtoConvertTest, FinalizeDefaultsAndRanges) {

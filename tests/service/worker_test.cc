@@ -827,6 +827,37 @@ TEST(WorkerAuthTest, TokensAreRequiredWhenConfigured) {
   EXPECT_TRUE(create("Bearer alpha-secret").ok());
   EXPECT_TRUE(create("bearer bare-secret").ok())
       << "scheme is case-insensitive";
+  // Sessions belong to the tenant that created them.
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer alpha-secret");
+    pb::Session session;
+    ASSERT_TRUE(
+        stub->CreateSession(&context, CreateRequest("team-run"), &session)
+            .ok());
+  }
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer bare-secret");
+    pb::GetSessionRequest get;
+    get.set_session_id("team-run");
+    pb::Session session;
+    EXPECT_EQ(stub->GetSession(&context, get, &session).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer bare-secret");
+    pb::ListSessionsResponse list;
+    ASSERT_TRUE(stub->ListSessions(&context, {}, &list).ok());
+    for (const auto& s : list.sessions()) EXPECT_NE(s.session_id(), "team-run");
+  }
+  StreamResult foreign = IngestAll(
+      stub.get(), Numbered(Workload("team-run", 1, 1), "p"), "bare-secret");
+  EXPECT_EQ(foreign.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  StreamResult own = IngestAll(
+      stub.get(), Numbered(Workload("team-run", 1, 1), "p"), "alpha-secret");
+  EXPECT_TRUE(own.status.ok()) << own.status.error_message();
   // Ingest without a token ends at once; nothing is applied.
   StreamResult denied =
       IngestAll(stub.get(), Numbered(Workload("s", 1, 1), "p"));
