@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Calibrates FP8 KV-cache and query scales of a tiny random Llama with kvcal.
+
+Builds a small LlamaForCausalLM from a LlamaConfig with random weights (no
+download), saves it, runs a few batches of token ids through it under
+kvcal.torch.capture, finalizes per head, writes the scales file and patches
+the saved model with `kvcal patch` (build/client/kvcal, when built).
+
+    python client/python/examples/calibrate_tiny_llama.py                # starts a local worker
+    python client/python/examples/calibrate_tiny_llama.py --target HOST:PORT --out DIR
+"""
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import transformers
+
+import kvcal
+import kvcal.torch
+import kvcal.vllm
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+
+def start_local_worker(build_dir, workdir):
+    binary = os.path.join(build_dir, "service", "kvcal-worker")
+    if not os.path.exists(binary):
+        sys.exit(f"no worker at {binary}: build it (./run build) or pass --target")
+    port_file = os.path.join(workdir, "worker.port")
+    proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--port-file", port_file,
+                             "--backend", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(1000):
+        if os.path.exists(port_file) and open(port_file).read().strip():
+            return proc, f"127.0.0.1:{open(port_file).read().strip()}"
+        if proc.poll() is not None:
+            sys.exit("kvcal-worker exited at start")
+        time.sleep(0.01)
+    sys.exit("kvcal-worker did not start")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", help="worker host:port (default: start one from the build)")
+    parser.add_argument("--out", help="output directory (default: a new temporary one)")
+    parser.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--batches", type=int, default=8)
+    args = parser.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="kvcal-tiny-llama-")
+    os.makedirs(out, exist_ok=True)
+    start = time.monotonic()
+
+    # 1. A tiny Llama with grouped-query attention, random weights, saved as safetensors.
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=4, num_attention_heads=8,
+                                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model_dir = os.path.join(out, "model")
+    model.save_pretrained(model_dir)
+
+    worker = None
+    target = args.target
+    if target is None:
+        worker, target = start_local_worker(args.build_dir, out)
+    try:
+        # 2. Capture post-RoPE q, k and v of every layer, one batch per forward.
+        client = kvcal.Client(target)
+        client.create_session(model.config)
+        with kvcal.Producer(client) as producer, kvcal.torch.capture(model, producer):
+            with torch.no_grad():
+                for _ in range(args.batches):
+                    model(torch.randint(0, config.vocab_size, (4, 64)), use_cache=False)
+        status = client.status()
+        print(f"session {status.session_id}: {status.values_ingested} values in "
+              f"{status.chunks_applied} chunks")
+
+        # 3. Scales per head (static min-max), as a scales file and as vLLM tensors.
+        scales = client.finalize(observer="static_minmax", granularity="head")
+        scales_path = os.path.join(out, "scales.safetensors")
+        scales.save(scales_path)
+        engine = kvcal.vllm.scales_for_vllm(scales)
+        print(f"layer 0 k_scale per KV head: {scales['model.layers.0.self_attn.k_scale'].reshape(-1)}")
+        print(f"{len(engine)} vLLM attention tensors, e.g. model.layers.0.self_attn.attn.k_scale")
+        client.delete()
+    finally:
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait()
+
+    # 4. Patch the saved checkpoint so vLLM loads the scales.
+    cli = os.path.join(args.build_dir, "client", "kvcal")
+    if os.path.exists(cli):
+        patched = os.path.join(out, "model-fp8kv")
+        shutil.rmtree(patched, ignore_errors=True)
+        subprocess.run([cli, "patch", "--checkpoint", model_dir, "--scales", scales_path,
+                        "--out", patched], check=True)
+        print(f"patched checkpoint: {patched}")
+    else:
+        print(f"{cli} not built; patch with: kvcal patch --checkpoint {model_dir} --scales {scales_path}")
+    print(f"done in {time.monotonic() - start:.1f} s; files in {out}")
+
+
+if __name__ == "__main__":
+    main()

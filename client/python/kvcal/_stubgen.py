@@ -1,0 +1,49 @@
+"""Generates kvcal/v1/calibration_pb2*.py from the wire contract.
+
+Used by setup.py at build time and by kvcal.v1 on first import when the
+package runs from a source checkout without having been built. Stdlib only
+(plus grpcio-tools when it actually generates), so setup.py can import it.
+"""
+import os
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PROTO_REL = os.path.join("kvcal", "v1", "calibration.proto")
+
+
+def find_proto_root():
+    """The directory that holds kvcal/v1/calibration.proto."""
+    candidates = []
+    if os.environ.get("KVCAL_PROTO_DIR"):
+        candidates.append(os.environ["KVCAL_PROTO_DIR"])
+    # client/python/kvcal -> repository root/proto
+    candidates.append(os.path.join(_HERE, "..", "..", "..", "proto"))
+    # an sdist may carry a copy next to setup.py
+    candidates.append(os.path.join(_HERE, "..", "proto"))
+    for root in candidates:
+        if os.path.isfile(os.path.join(root, _PROTO_REL)):
+            return os.path.abspath(root)
+    raise FileNotFoundError(
+        "kvcal: cannot find proto/kvcal/v1/calibration.proto to generate the "
+        "gRPC stubs (looked in: %s); set KVCAL_PROTO_DIR" % ", ".join(candidates))
+
+
+def generate(v1_dir=None):
+    """Writes calibration_pb2.py, .pyi and calibration_pb2_grpc.py into v1_dir."""
+    from grpc_tools import protoc  # grpcio-tools
+    import importlib.resources
+
+    v1_dir = os.path.abspath(v1_dir or os.path.join(_HERE, "v1"))
+    out_root = os.path.dirname(os.path.dirname(v1_dir))  # .../<root>/kvcal/v1
+    proto_root = find_proto_root()
+    well_known = str(importlib.resources.files("grpc_tools") / "_proto")
+    args = [
+        "grpc_tools.protoc",
+        f"-I{proto_root}",
+        f"-I{well_known}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        os.path.join(proto_root, _PROTO_REL),
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError("kvcal: grpc_tools.protoc failed on " + proto_root)

@@ -1,0 +1,551 @@
+"""kvcal.Producer: streams activation chunks to a session, exactly once.
+
+    with kvcal.Producer(client) as producer:       # client has a session
+        for batch in loader:
+            producer.new_batch()                   # one forward = one batch
+            q, k, v = ...                          # [batch, heads, tokens, head_dim]
+            producer.put(layer, "q", q)
+            producer.put(layer, "k", k)
+            producer.put(layer, "v", v)
+    # leaving the block flushes: every chunk is applied (and durable, when
+    # the worker persists) or an error is raised
+
+put() numbers the chunks (sequence 1, 2, ... per producer), splits tensors
+larger than chunk_bytes along whole rows, and returns at once: a background
+thread streams them over one Ingest stream. put() blocks only while the
+producer holds max_pending_chunks / max_pending_bytes not yet released.
+
+Exactly once across failures: when the stream breaks (worker restarted,
+network), the thread reconnects, reads the producer's watermark with
+GetSession and resends from there. A chunk is released once the worker
+acknowledged it, or, when the worker persists its state (--state-dir), once it
+is durable, so a worker that restarts from its last snapshot gets everything
+it lost. keep_until_durable=None (default) learns that from the worker: chunks
+are kept until durable as soon as a durable watermark has been seen, and
+otherwise only while there is room. Set True when the worker runs with
+--state-dir (keeps chunks until its first snapshot too), False to release on
+acknowledgement.
+
+Tensors: numpy arrays (float32, float16, ml_dtypes.bfloat16) and torch
+tensors (float32, float16, bfloat16; CPU or CUDA). bf16 goes on the wire as
+bf16. A CUDA tensor is copied to pinned host memory with a non-blocking copy
+on the current stream; the background thread waits for that copy, so put()
+does not synchronize the device.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Deque, List, Optional, Tuple
+
+import grpc
+import numpy as np
+
+from kvcal.client import Client, KvcalError
+from kvcal.v1 import pb
+
+log = logging.getLogger("kvcal")
+
+_ROLES = {"q": pb.ROLE_Q, "k": pb.ROLE_K, "v": pb.ROLE_V,
+          pb.ROLE_Q: pb.ROLE_Q, pb.ROLE_K: pb.ROLE_K, pb.ROLE_V: pb.ROLE_V}
+_LAYOUTS = {"heads_tokens_dim": pb.LAYOUT_HEADS_TOKENS_DIM, "hf": pb.LAYOUT_HEADS_TOKENS_DIM,
+            "tokens_heads_dim": pb.LAYOUT_TOKENS_HEADS_DIM, "vllm": pb.LAYOUT_TOKENS_HEADS_DIM,
+            pb.LAYOUT_HEADS_TOKENS_DIM: pb.LAYOUT_HEADS_TOKENS_DIM,
+            pb.LAYOUT_TOKENS_HEADS_DIM: pb.LAYOUT_TOKENS_HEADS_DIM}
+# Codes after which the stream is re-established and resent from the
+# watermark; anything else is an error in the data or the session.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.UNKNOWN}
+
+
+class ProducerError(RuntimeError):
+    """The producer stopped; raised by put(), flush() and close()."""
+
+
+class _Payload:
+    """The bytes of one put() tensor, shared by the chunks cut from it. For a
+    CUDA tensor: a pinned host copy and the event that completes it, turned
+    into bytes by the first chunk that is sent."""
+
+    __slots__ = ("_data", "_pinned", "_event", "_lock")
+
+    def __init__(self, data: Optional[bytes] = None, pinned=None, event=None):
+        self._data = data
+        self._pinned = pinned
+        self._event = event
+        self._lock = threading.Lock()
+
+    def view(self) -> memoryview:
+        with self._lock:
+            if self._data is None:
+                if self._event is not None:
+                    self._event.synchronize()
+                self._data = _torch_bytes(self._pinned)
+                self._pinned = self._event = None
+            return memoryview(self._data)
+
+
+class _Chunk:
+    __slots__ = ("sequence", "batch", "layer", "role", "dtype", "layout", "shape",
+                 "head_offset", "payload", "begin", "end")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    def request(self, session_id: str, producer_id: str) -> pb.IngestRequest:
+        return pb.IngestRequest(
+            session_id=session_id, producer_id=producer_id, sequence=self.sequence,
+            batch=self.batch, layer=self.layer, role=self.role, dtype=self.dtype,
+            layout=self.layout, shape=self.shape, head_offset=self.head_offset,
+            data=bytes(self.payload.view()[self.begin:self.end]))
+
+
+def _torch_bytes(tensor) -> bytes:
+    import torch
+
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        return tensor.contiguous().view(torch.int16).numpy().tobytes()
+    return tensor.contiguous().numpy().tobytes()
+
+
+def _dtype_of_numpy(dtype: np.dtype) -> int:
+    if dtype == np.float32:
+        return pb.DTYPE_F32
+    if dtype == np.float16:
+        return pb.DTYPE_F16
+    if dtype.name == "bfloat16":  # ml_dtypes
+        return pb.DTYPE_BF16
+    raise TypeError(f"kvcal: dtype {dtype} is not supported (float32, float16, bfloat16)")
+
+
+def _payload_of(tensor: Any) -> Tuple[_Payload, int, Tuple[int, ...]]:
+    """(payload, wire dtype, shape). Copies: the caller may reuse its buffer."""
+    if isinstance(tensor, np.ndarray):
+        dtype = _dtype_of_numpy(tensor.dtype)
+        array = np.ascontiguousarray(tensor)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        return _Payload(array.tobytes()), dtype, tuple(array.shape)
+    import torch  # only when handed something that is not numpy
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"kvcal: cannot send a {type(tensor).__name__}; pass a numpy array or torch tensor")
+    dtypes = {torch.float32: pb.DTYPE_F32, torch.float16: pb.DTYPE_F16, torch.bfloat16: pb.DTYPE_BF16}
+    if tensor.dtype not in dtypes:
+        raise TypeError(f"kvcal: dtype {tensor.dtype} is not supported (float32, float16, bfloat16)")
+    tensor = tensor.detach()
+    shape = tuple(tensor.shape)
+    if tensor.device.type == "cpu":
+        return _Payload(_torch_bytes(tensor)), dtypes[tensor.dtype], shape
+    if tensor.device.type == "cuda":
+        pinned = torch.empty(shape, dtype=tensor.dtype, pin_memory=True)
+        pinned.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
+        return _Payload(pinned=pinned, event=event), dtypes[tensor.dtype], shape
+    return _Payload(_torch_bytes(tensor.cpu())), dtypes[tensor.dtype], shape
+
+
+def _cut(shape: Tuple[int, ...], layout: int, itemsize: int, chunk_bytes: int):
+    """Splits a tensor into contiguous byte ranges of at most chunk_bytes
+    (when a single row allows it). Yields (shape, head_offset_delta, begin, end)."""
+    total = itemsize
+    for d in shape:
+        total *= d
+    if total <= chunk_bytes or total == 0:
+        yield list(shape), 0, 0, total
+        return
+    if layout == pb.LAYOUT_TOKENS_HEADS_DIM:
+        heads, dim = shape[-2], shape[-1]
+        tokens = total // (heads * dim * itemsize)
+        row = heads * dim * itemsize
+        step = max(1, chunk_bytes // row)
+        for t in range(0, tokens, step):
+            n = min(step, tokens - t)
+            yield [n, heads, dim], 0, t * row, (t + n) * row
+        return
+    batch, heads, tokens, dim = shape
+    per_head = tokens * dim * itemsize
+    per_batch = heads * per_head
+    if per_batch <= chunk_bytes:
+        step = chunk_bytes // per_batch
+        for b in range(0, batch, step):
+            n = min(step, batch - b)
+            yield [n, heads, tokens, dim], 0, b * per_batch, (b + n) * per_batch
+        return
+    for b in range(batch):
+        base = b * per_batch
+        if per_head <= chunk_bytes:
+            step = chunk_bytes // per_head
+            for h in range(0, heads, step):
+                n = min(step, heads - h)
+                yield [1, n, tokens, dim], h, base + h * per_head, base + (h + n) * per_head
+        else:
+            row = dim * itemsize
+            step = max(1, chunk_bytes // row)
+            for h in range(heads):
+                for t in range(0, tokens, step):
+                    n = min(step, tokens - t)
+                    begin = base + h * per_head + t * row
+                    yield [1, 1, n, dim], h, begin, begin + n * row
+
+
+class Producer:
+    """Streams chunks to one session as one producer; see the module docs."""
+
+    def __init__(self, client: Client, session_id: Optional[str] = None, producer_id: str = "",
+                 *, chunk_bytes: int = 4 << 20, max_pending_chunks: int = 1024,
+                 max_pending_bytes: int = 512 << 20, window: int = 64,
+                 keep_until_durable: Optional[bool] = None, start_sequence: Optional[int] = None,
+                 reconnect_timeout: float = 120.0, durable_timeout: float = 120.0):
+        self.client = client
+        self.session_id = session_id or client._session(None)
+        self.producer_id = producer_id or "default"
+        self.chunk_bytes = int(chunk_bytes)
+        self.max_pending_chunks = int(max_pending_chunks)
+        self.max_pending_bytes = int(max_pending_bytes)
+        self.window = int(window)
+        self.keep_until_durable = keep_until_durable
+        self.reconnect_timeout = reconnect_timeout
+        self.durable_timeout = durable_timeout
+        self.reconnects = 0  # streams re-established after a failure
+        # (worker watermark, acknowledged before) at each reconnect: a worker
+        # watermark below the acknowledged one means the worker restarted from
+        # a snapshot and the chunks after it were sent again.
+        self.resumes: List[Tuple[int, int]] = []
+
+        self._cv = threading.Condition()
+        self._chunks: Deque[_Chunk] = collections.deque()  # unreleased, in order
+        self._held_bytes = 0
+        self._acked = 0
+        self._durable = 0
+        self._seen_durable = False
+        self._error: Optional[BaseException] = None
+        self._closing = False
+        self._batch = 0
+        self._batches_started = False
+
+        if start_sequence is None:
+            watermark = self._server_watermark()
+            start_sequence = (watermark[0] if watermark else 0) + 1
+        self._next_sequence = int(start_sequence)
+        self._acked = self._durable = self._next_sequence - 1
+        self._thread = threading.Thread(target=self._run, name=f"kvcal-producer-{self.producer_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- producer side ---------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    def new_batch(self) -> int:
+        """Starts the next calibration batch (0, 1, 2, ...) and returns it."""
+        if self._batches_started:
+            self._batch += 1
+        self._batches_started = True
+        return self._batch
+
+    @property
+    def last_sequence(self) -> int:
+        return self._next_sequence - 1
+
+    def put(self, layer: int, role, tensor, *, batch: Optional[int] = None,
+            layout="heads_tokens_dim", head_offset: int = 0) -> None:
+        """Queues one tensor of (layer, role) for the current batch.
+
+        layout heads_tokens_dim (alias hf): [batch, heads, tokens, head_dim];
+        tokens_heads_dim (alias vllm): [..., heads, head_dim]. The tensor
+        carries heads [head_offset, head_offset + heads) of the role.
+        """
+        if role not in _ROLES:
+            raise ValueError(f"kvcal: role {role!r} is not q, k or v")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"kvcal: layout {layout!r} is not heads_tokens_dim or tokens_heads_dim")
+        layout = _LAYOUTS[layout]
+        if batch is None:
+            self._batches_started = True
+            batch = self._batch
+        payload, dtype, shape = _payload_of(tensor)
+        if layout == pb.LAYOUT_HEADS_TOKENS_DIM and len(shape) != 4:
+            raise ValueError(f"kvcal: layout heads_tokens_dim needs [batch, heads, tokens, head_dim], "
+                             f"got shape {list(shape)}")
+        if layout == pb.LAYOUT_TOKENS_HEADS_DIM and len(shape) < 2:
+            raise ValueError(f"kvcal: layout tokens_heads_dim needs [..., heads, head_dim], got {list(shape)}")
+        itemsize = 4 if dtype == pb.DTYPE_F32 else 2
+        pieces = list(_cut(shape, layout, itemsize, self.chunk_bytes))
+        with self._cv:
+            for piece_shape, head_delta, begin, end in pieces:
+                self._wait_for_room_locked(end - begin)
+                chunk = _Chunk(sequence=self._next_sequence, batch=int(batch), layer=int(layer),
+                               role=_ROLES[role], dtype=dtype, layout=layout, shape=piece_shape,
+                               head_offset=int(head_offset) + head_delta, payload=payload,
+                               begin=begin, end=end)
+                self._next_sequence += 1
+                self._chunks.append(chunk)
+                self._held_bytes += chunk.nbytes
+                self._cv.notify_all()
+
+    def flush(self, durable: Optional[bool] = None, timeout: Optional[float] = None) -> None:
+        """Waits until every chunk put so far is applied; with durable=True
+        (default: when chunks are kept until durable) until it is on disk."""
+        last = self.last_sequence
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cv:
+                self._raise_if_failed_locked()
+                want_durable = self._want_durable() if durable is None else durable
+                if self._acked >= last and (not want_durable or self._durable >= last):
+                    return
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"kvcal: flush: acknowledged {self._acked}, durable "
+                                       f"{self._durable} of {last} chunks")
+                poll = self._acked >= last  # only durability is missing: ask the worker
+                self._cv.wait(0.2 if remaining is None else min(0.2, remaining))
+            if poll:
+                self._poll_durable()
+
+    def _poll_durable(self) -> None:
+        """Reads the durable watermark with GetSession (no response arrives
+        for it while nothing is being sent)."""
+        try:
+            watermark = self._server_watermark()
+        except KvcalError:
+            return  # the stream thread deals with connection trouble
+        if watermark is None:
+            return
+        with self._cv:
+            if watermark[1] > 0:
+                self._seen_durable = True
+            self._durable = max(self._durable, min(watermark[1], self._acked))
+            self._release_locked(self._release_point_locked())
+
+    def close(self) -> None:
+        """Flushes, then ends the stream and the thread. Raises ProducerError
+        if the producer failed."""
+        try:
+            if self._thread.is_alive():
+                self.flush(timeout=None)
+        finally:
+            with self._cv:
+                self._closing = True
+                self._cv.notify_all()
+            self._thread.join()
+        with self._cv:
+            self._raise_if_failed_locked()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not hide the original error behind a flush
+            with self._cv:
+                self._closing = True
+                if self._error is None:
+                    self._error = ProducerError("kvcal: producer abandoned after an error")
+                self._cv.notify_all()
+            self._thread.join(timeout=5)
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"last_sequence": self.last_sequence, "acknowledged": self._acked,
+                    "durable": self._durable, "pending_chunks": len(self._chunks),
+                    "pending_bytes": self._held_bytes, "reconnects": self.reconnects}
+
+    # -- internals (self._cv held where the name says _locked) ---------------------
+    def _want_durable(self) -> bool:
+        if self.keep_until_durable is None:
+            return self._seen_durable
+        return self.keep_until_durable
+
+    def _raise_if_failed_locked(self) -> None:
+        if self._error is not None:
+            raise ProducerError(str(self._error)) from self._error
+
+    def _wait_for_room_locked(self, nbytes: int) -> None:
+        waited = 0
+        while True:
+            self._raise_if_failed_locked()
+            if self._closing:
+                raise ProducerError("kvcal: put() after close()")
+            if self._has_room_locked(nbytes):
+                return
+            if self.keep_until_durable is None and not self._seen_durable:
+                # Full, and no sign that the worker persists: acknowledged
+                # chunks make room.
+                self._release_locked(self._acked)
+                if self._has_room_locked(nbytes):
+                    return
+            self._cv.wait(0.2)
+            waited += 1
+            if waited % 5 == 0 and self._want_durable():
+                # Full of acknowledged chunks waiting to become durable.
+                self._cv.release()
+                try:
+                    self._poll_durable()
+                finally:
+                    self._cv.acquire()
+
+    def _has_room_locked(self, nbytes: int) -> bool:
+        return len(self._chunks) < self.max_pending_chunks and (
+            self._held_bytes + nbytes <= self.max_pending_bytes or not self._chunks)
+
+    def _release_locked(self, upto: int) -> None:
+        while self._chunks and self._chunks[0].sequence <= upto:
+            self._held_bytes -= self._chunks.popleft().nbytes
+        self._cv.notify_all()
+
+    def _release_point_locked(self) -> int:
+        return self._durable if self._want_durable() else self._acked
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = error
+            self._cv.notify_all()
+
+    def _server_watermark(self) -> Optional[Tuple[int, int]]:
+        session = self.client.status(self.session_id)
+        for p in session.producers:
+            if p.producer_id == self.producer_id:
+                return p.sequence, p.durable_sequence
+        return None
+
+    def _resync(self) -> int:
+        """Reads the watermark after (re)connecting; returns the next sequence
+        to send."""
+        try:
+            watermark = self._server_watermark()
+        except KvcalError as e:
+            if e.code == grpc.StatusCode.NOT_FOUND:
+                raise ProducerError(
+                    f"kvcal: session {self.session_id} is gone from the worker (restarted without "
+                    f"--state-dir?); chunks {self._acked + 1}.. cannot be resumed") from e
+            raise
+        applied, durable = watermark if watermark else (0, 0)
+        with self._cv:
+            if durable > 0:
+                self._seen_durable = True
+            if self.reconnects:
+                self.resumes.append((applied, self._acked))
+            self._acked = applied
+            self._durable = durable
+            self._release_locked(self._release_point_locked())
+            first_kept = self._chunks[0].sequence if self._chunks else self._next_sequence
+            if applied + 1 < first_kept:
+                raise ProducerError(
+                    f"kvcal: producer {self.producer_id}: the worker resumed at sequence {applied} "
+                    f"but chunks {applied + 1}..{first_kept - 1} were already released (acknowledged, "
+                    f"not durable); use keep_until_durable=True with a worker that has --state-dir")
+            return applied + 1
+
+    def _run(self) -> None:
+        failing_since: Optional[float] = None
+        backoff = 0.05
+        while True:
+            with self._cv:
+                if self._error is not None:
+                    return
+                if self._closing and self._acked >= self.last_sequence:
+                    return
+            try:
+                start = self._resync()
+                self._stream(start)
+                failing_since, backoff = None, 0.05
+            except ProducerError as e:
+                self._fail(e)
+                return
+            except (grpc.RpcError, KvcalError) as e:
+                code = e.code() if isinstance(e, grpc.RpcError) else e.code
+                if code not in _RETRYABLE:
+                    detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+                    self._fail(ProducerError(f"kvcal: producer {self.producer_id}: "
+                                             f"{code.name if code else 'ERROR'}: {detail}"))
+                    return
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > self.reconnect_timeout:
+                    self._fail(ProducerError(
+                        f"kvcal: producer {self.producer_id}: no connection to {self.client.target} "
+                        f"for {self.reconnect_timeout:.0f} s: {e}"))
+                    return
+                log.info("kvcal: stream broke (%s); reconnecting", code)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                self.reconnects += 1
+            except BaseException as e:  # a bug or an unusable tensor: stop loudly
+                self._fail(e)
+                return
+
+    def _stream(self, start: int) -> None:
+        """One Ingest stream: sends from `start`, applies responses. Returns
+        when closing and everything sent is acknowledged (and durable if
+        wanted); raises grpc.RpcError when the stream breaks."""
+        stop = threading.Event()
+
+        def requests():
+            sequence = start
+            while True:
+                with self._cv:
+                    while True:
+                        if stop.is_set() or self._error is not None:
+                            return
+                        if sequence < self._next_sequence and sequence - self._acked <= self.window:
+                            first = self._chunks[0].sequence
+                            chunk = self._chunks[sequence - first]
+                            break
+                        if self._closing and sequence >= self._next_sequence:
+                            return
+                        self._cv.wait(0.5)
+                try:
+                    request = chunk.request(self.session_id, self.producer_id)
+                except BaseException as e:  # e.g. a failed device copy
+                    self._fail(ProducerError(f"kvcal: chunk {chunk.sequence}: {e}"))
+                    return
+                yield request
+                sequence += 1
+
+        call = self.client.stub.Ingest(requests(), metadata=self.client.metadata)
+        try:
+            for response in call:
+                with self._cv:
+                    self._acked = max(self._acked, response.watermark)
+                    if response.durable_watermark > 0:
+                        self._seen_durable = True
+                        self._durable = max(self._durable, response.durable_watermark)
+                    self._release_locked(self._release_point_locked())
+        finally:
+            stop.set()
+            with self._cv:
+                self._cv.notify_all()
+        # The stream ended cleanly: we half-closed because we are closing.
+        # Wait for durability by polling (the worker snapshots on its own clock).
+        deadline = time.monotonic() + self.durable_timeout
+        while True:
+            with self._cv:
+                last = self.last_sequence
+                if self._acked < last:
+                    return  # more to send (put() raced close); the loop reconnects
+                if not self._want_durable() or self._durable >= last:
+                    return
+            if time.monotonic() > deadline:
+                raise ProducerError(f"kvcal: producer {self.producer_id}: chunks up to {last} "
+                                    f"acknowledged but not durable after {self.durable_timeout:.0f} s")
+            time.sleep(0.2)
+            applied, durable = self._server_watermark() or (0, 0)
+            with self._cv:
+                if durable > 0:
+                    self._seen_durable = True
+                self._durable = max(self._durable, durable)
+                self._release_locked(self._release_point_locked())

@@ -1,0 +1,237 @@
+"""kvcal.torch.capture: stream a transformers model's attention inputs.
+
+    with kvcal.Producer(client) as producer:
+        with kvcal.torch.capture(model, producer):
+            for input_ids in batches:
+                model(input_ids)          # each forward is one calibration batch
+
+What is captured, for every attention layer L (its `layer_idx`): the query
+after RoPE (and after q-norm where the model has one), before the softmax
+scale; the key after RoPE (and k-norm); the value as projected: exactly the
+tensors the model hands to its attention function, [batch, heads, tokens,
+head_dim] with num_attention_heads query heads and num_key_value_heads key
+and value heads. That is what vLLM quantizes with q_scale and writes to its
+FP8 KV cache (../../shared/FORMATS.md).
+
+How: transformers Llama-family attention (Llama, Mistral, Qwen2/3, Gemma,
+Phi-3 and every model whose attention class calls
+`ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`)
+routes q, k and v through one function. While the context is open, the
+entry of the model's implementation (eager, sdpa, flash...) is replaced by a
+wrapper that sends q, k and v of this model's attention modules to the
+producer and calls the original; modules of other models pass straight
+through. A forward pre-hook on `model` starts a new batch per forward.
+
+Notes:
+- Run calibration forwards without a KV cache (use_cache=False) or with a
+  dynamic cache: when the attention sees more keys than queries (a cache
+  holds earlier tokens), only the newest keys and values (as many as there
+  are queries) are sent, which is right for a dynamic cache only.
+- Padding tokens are sent like any other token; calibrate on unpadded
+  batches (or batch size 1) when that matters.
+- Attention recomputed during backward (gradient checkpointing) is not sent
+  again.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from typing import Callable, Dict, List, Optional
+
+import torch as _torch
+
+_lock = threading.Lock()
+# attention module id -> the _Capture that owns it
+_owners: Dict[int, "_Capture"] = {}
+# implementation name -> (original mapping entry or None, number of users)
+_installed: Dict[str, list] = {}
+
+
+class UnsupportedModelError(TypeError):
+    pass
+
+
+def _attention_interface():
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError as e:  # pragma: no cover
+        raise UnsupportedModelError(
+            "kvcal.torch.capture needs transformers >= 4.48 (its AttentionInterface)") from e
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def _attention_modules(model) -> List:
+    """The model's self-attention modules: a layer_idx, a config naming the
+    attention implementation, and q/k/v projections or a fused qkv."""
+    found = []
+    for module in model.modules():
+        if not type(module).__name__.endswith("Attention"):
+            continue
+        if not isinstance(getattr(module, "layer_idx", None), int):
+            continue
+        if getattr(getattr(module, "config", None), "_attn_implementation", None) is None:
+            continue
+        if getattr(module, "is_cross_attention", False):
+            continue
+        found.append(module)
+    return found
+
+
+def _unsupported(model, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"kvcal.torch.capture: {type(model).__name__} is not supported: {why}. Supported: "
+        f"transformers models whose attention layers call the attention interface with post-RoPE "
+        f"query/key (Llama, Mistral, Qwen2, Qwen3, Gemma and models sharing their attention code)")
+
+
+def _eager_for(module) -> Optional[Callable]:
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def _make_wrapper(name: str) -> Callable:
+    def kvcal_capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        original = _installed[name][0] if name in _installed else None
+        if original is None:
+            original = _eager_for(module)
+            if original is None:
+                raise RuntimeError(f"kvcal: no eager_attention_forward next to {type(module).__name__}")
+        owner = _owners.get(id(module))
+        if owner is not None:
+            owner._record(module, query, key, value)
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+    kvcal_capture_attention.__kvcal_capture__ = True
+    return kvcal_capture_attention
+
+
+def _install(name: str) -> None:
+    interface = type(_attention_interface())
+    mapping = interface._global_mapping
+    if name in _installed:
+        _installed[name][1] += 1
+        return
+    original = mapping.get(name)
+    if original is None and name != "eager":
+        raise UnsupportedModelError(f"kvcal: attention implementation {name!r} is not registered")
+    _installed[name] = [original, 1]
+    mapping[name] = _make_wrapper(name)
+
+
+def _uninstall(name: str) -> None:
+    entry = _installed[name]
+    entry[1] -= 1
+    if entry[1] > 0:
+        return
+    mapping = type(_attention_interface())._global_mapping
+    if entry[0] is None:
+        mapping.pop(name, None)
+    else:
+        mapping[name] = entry[0]
+    del _installed[name]
+
+
+class _Capture:
+    def __init__(self, model, producer, roles):
+        self.model = model
+        self.producer = producer
+        self.roles = roles
+        self.modules = _attention_modules(model)
+        self.in_forward = False
+        self.seen: set = set()
+        self.geometry = getattr(producer.client, "geometry", None)
+
+    def _record(self, module, query, key, value) -> None:
+        if _torch._C._current_graph_task_id() != -1:
+            return  # recomputation inside backward (gradient checkpointing)
+        layer = module.layer_idx
+        if not self.in_forward and layer in self.seen:
+            self.producer.new_batch()  # attention run without the model's forward hook
+            self.seen.clear()
+        if not self.in_forward and not self.seen:
+            self.producer.new_batch()
+        self.seen.add(layer)
+        if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+            raise _unsupported(self.model, f"attention inputs of {type(module).__name__} are not "
+                                           f"[batch, heads, tokens, head_dim] "
+                                           f"(q {tuple(query.shape)}, k {tuple(key.shape)})")
+        tokens = query.shape[2]
+        if key.shape[2] > tokens:  # a cache holds earlier tokens: send the new ones
+            key = key[:, :, -tokens:]
+            value = value[:, :, -tokens:]
+        g = self.geometry
+        if g is not None and (query.shape[-1] != g.head_dim or key.shape[-1] != g.head_dim
+                              or value.shape[-1] != g.head_dim
+                              or query.shape[1] != g.num_attention_heads
+                              or key.shape[1] != g.num_key_value_heads):
+            raise _unsupported(self.model, (
+                f"layer {layer}: q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)} "
+                f"do not match the session's {g.num_attention_heads} query heads, "
+                f"{g.num_key_value_heads} key/value heads of head_dim {g.head_dim}"))
+        for role, tensor in (("q", query), ("k", key), ("v", value)):
+            if role in self.roles:
+                self.producer.put(layer, role, tensor, layout="heads_tokens_dim")
+
+    def pre_forward(self, module, args):
+        self.producer.new_batch()
+        self.seen.clear()
+        self.in_forward = True
+
+    def post_forward(self, module, args, output):
+        self.in_forward = False
+        expected = {m.layer_idx for m in self.modules}
+        if not self.seen:
+            raise _unsupported(self.model, (
+                f"a forward pass ran but none of its {len(self.modules)} attention modules "
+                f"({type(self.modules[0]).__name__}) called the attention interface"))
+        missing = sorted(expected - self.seen)
+        if missing:
+            raise RuntimeError(f"kvcal.torch.capture: {type(self.model).__name__}: a forward pass "
+                               f"skipped attention layers {missing[:20]}; their scales would be "
+                               f"missing")
+
+
+@contextlib.contextmanager
+def capture(model, producer, roles=("q", "k", "v")):
+    """Streams post-RoPE q, k and v of every attention layer of `model` to
+    `producer` for every forward inside the block; see the module docs."""
+    modules = _attention_modules(model)
+    if not modules:
+        raise _unsupported(model, "no attention modules with a layer_idx and an attention "
+                                  "implementation were found")
+    if not getattr(type(model), "_supports_attention_backend", True):
+        raise _unsupported(model, f"{type(modules[0]).__name__} does not use transformers' "
+                                  f"attention interface")
+    names = sorted({m.config._attn_implementation for m in modules})
+    for name in names:
+        if name == "eager" and any(_eager_for(m) is None for m in modules):
+            raise _unsupported(model, f"{type(modules[0]).__name__}'s module has no "
+                                      f"eager_attention_forward")
+    state = _Capture(model, producer, set(roles))
+    with _lock:
+        for m in modules:
+            if id(m) in _owners:
+                raise RuntimeError("kvcal.torch.capture: this model is already being captured")
+        installed = []
+        try:
+            for name in names:
+                _install(name)
+                installed.append(name)
+        except BaseException:
+            for name in installed:
+                _uninstall(name)
+            raise
+        for m in modules:
+            _owners[id(m)] = state
+    hooks = [model.register_forward_pre_hook(state.pre_forward),
+             model.register_forward_hook(state.post_forward)]
+    try:
+        yield state
+    finally:
+        for h in hooks:
+            h.remove()
+        with _lock:
+            for m in modules:
+                _owners.pop(id(m), None)
+            for name in names:
+                _uninstall(name)

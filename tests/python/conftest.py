@@ -1,0 +1,116 @@
+"""Fixtures for kvcal's Python tests: real kvcal-worker processes on
+127.0.0.1 (build/service/kvcal-worker; KVCAL_BUILD_DIR picks another build)."""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BUILD = os.environ.get("KVCAL_BUILD_DIR", os.path.join(ROOT, "build"))
+WORKER_BIN = os.path.join(BUILD, "service", "kvcal-worker")
+KVCAL_CLI = os.path.join(BUILD, "client", "kvcal")
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+class Worker:
+    """One kvcal-worker process; restart() brings it back on the same port."""
+
+    def __init__(self, tmpdir, state_dir=None, snapshot_ms=50):
+        self.tmpdir = tmpdir
+        self.state_dir = state_dir
+        self.snapshot_ms = snapshot_ms
+        self.port = 0
+        self.proc = None
+        self.log_path = os.path.join(tmpdir, "worker.log")
+
+    @property
+    def target(self):
+        return f"127.0.0.1:{self.port}"
+
+    def start(self):
+        port_file = os.path.join(self.tmpdir, "port")
+        if os.path.exists(port_file):
+            os.unlink(port_file)
+        args = [WORKER_BIN, "--listen", f"127.0.0.1:{self.port}", "--port-file", port_file,
+                "--backend", "cpu"]
+        if self.state_dir:
+            args += ["--state-dir", self.state_dir, "--snapshot-interval-ms", str(self.snapshot_ms)]
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvcal-worker exited {self.proc.returncode}: {self.log()}")
+            try:
+                with open(port_file) as f:
+                    text = f.read().strip()
+                if text:
+                    self.port = int(text)
+                    return self
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.02)
+        raise RuntimeError("kvcal-worker did not write its port: " + self.log())
+
+    def log(self):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-4000:]
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode if self.proc else None
+
+    def restart(self):
+        self.stop()
+        return self.start()
+
+
+@pytest.fixture(scope="session")
+def worker_bin():
+    if not os.path.exists(WORKER_BIN):
+        pytest.fail(f"{WORKER_BIN} is missing: build it first (./run build)")
+    return WORKER_BIN
+
+
+@pytest.fixture
+def make_worker(worker_bin):
+    workers = []
+
+    def make(state_dir=None, snapshot_ms=50):
+        d = tempfile.mkdtemp(prefix="kvcal-pytest-")
+        if state_dir is True:
+            state_dir = os.path.join(d, "state")
+            os.makedirs(state_dir)
+        w = Worker(d, state_dir, snapshot_ms).start()
+        workers.append(w)
+        return w
+
+    yield make
+    for w in workers:
+        w.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def worker(worker_bin):
+    d = tempfile.mkdtemp(prefix="kvcal-pytest-")
+    w = Worker(d).start()
+    yield w
+    assert w.stop() == 0, w.log()
+
+
+@pytest.fixture
+def kvcal_cli():
+    if not os.path.exists(KVCAL_CLI):
+        pytest.skip(f"{KVCAL_CLI} is not built (the C++ client); interop via `kvcal patch` skipped")
+    return KVCAL_CLI

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Runs kvcal's Python tests (tests/python) in the virtual environment .venv at
+# the repository root, creating it and installing what is missing first.
+# `./run test` calls this after ctest. Quiet and idempotent: requirements are
+# installed again only when requirements.txt changes (a stamp holds its hash),
+# the kvcal package only when client/python or proto/ changes.
+#
+#   tests/python/run_python_tests.sh [pytest args...]
+#
+# KVCAL_PYTHON picks the interpreter for a new venv (default python3);
+# KVCAL_BUILD_DIR the build with service/kvcal-worker (default build/).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+VENV="$ROOT/.venv"
+REQ="$ROOT/tests/python/requirements.txt"
+PY="$VENV/bin/python"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+log() { printf '[python-tests] %s\n' "$*" >&2; }
+die() { printf '[python-tests] error: %s\n' "$*" >&2; exit 1; }
+
+make_venv() {
+  local python="${KVCAL_PYTHON:-python3}"
+  rm -rf "$VENV"
+  if ! "$python" -m venv "$VENV" >/dev/null 2>&1; then
+    log "python3 -m venv failed; installing python3-venv"
+    rm -rf "$VENV"
+    local sudo=""
+    [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      python3-venv >/dev/null
+    python=/usr/bin/python3
+    "$python" -m venv "$VENV" || die "cannot create a virtual environment with $python"
+  fi
+}
+
+if [ ! -x "$PY" ] || ! "$PY" -m pip --version >/dev/null 2>&1; then
+  log "creating $VENV"
+  make_venv
+fi
+
+hash_of() { sha256sum "$@" | sha256sum | cut -d' ' -f1; }
+
+LOCK="$ROOT/tests/python/requirements.lock"
+stamp="$VENV/.kvcal-requirements.sha256"
+want="$(hash_of "$REQ" "$LOCK")"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log "installing test requirements (first time: torch and its CUDA wheels, a few minutes)"
+  start=$SECONDS
+  # The lock pins every package: no resolution, the same set every time.
+  # Where it does not fit (another platform or Python), resolve from
+  # requirements.txt instead.
+  if ! "$PY" -m pip install -q --no-deps -r "$LOCK"; then
+    log "requirements.lock did not install here; resolving requirements.txt"
+    "$PY" -m pip install -q -r "$REQ" || die "pip install -r $REQ failed"
+  fi
+  echo "$want" >"$stamp"
+  log "requirements installed in $((SECONDS - start)) s"
+fi
+
+pkg_stamp="$VENV/.kvcal-package.sha256"
+mapfile -t pkg_files < <(cd "$ROOT" && find client/python proto -type f \
+  \( -name '*.py' -o -name '*.proto' -o -name '*.toml' \) \
+  -not -name '*_pb2*.py' -not -path '*/build/*' -not -path '*.egg-info/*' | sort)
+pkg_want="$(cd "$ROOT" && hash_of "${pkg_files[@]}")"
+if [ "$(cat "$pkg_stamp" 2>/dev/null)" != "$pkg_want" ]; then
+  log "installing client/python"
+  "$PY" -m pip install -q --no-deps --no-build-isolation "$ROOT/client/python" \
+    || die "pip install client/python failed"
+  echo "$pkg_want" >"$pkg_stamp"
+fi
+
+cd "$ROOT"
+set +e
+"$PY" -m pytest -q -p no:cacheprovider tests/python "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  die "pytest collected no tests"
+fi
+exit "$rc"
