@@ -5,6 +5,7 @@
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__F16C__) && \
     defined(__FMA__)
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -316,9 +317,15 @@ void Avx2Dispatch(const void* data, size_t runs, size_t length, size_t stride,
   return Avx2Runs<kDType, false, false>(data, runs, length, stride, acc);
 }
 
+// F16C is read from CPUID (leaf 1, ECX bit 29): clang's
+// __builtin_cpu_supports does not know "f16c" (clang 14).
+bool CpuHasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
 bool CpuHasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") &&
-                          __builtin_cpu_supports("f16c") &&
+  static const bool has = __builtin_cpu_supports("avx2") && CpuHasF16c() &&
                           __builtin_cpu_supports("fma");
   return has;
 }
