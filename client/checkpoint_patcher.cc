@@ -330,7 +330,7 @@ absl::Status CopySynced(const fs::path& from, const fs::path& to) {
 
 absl::Status CheckShardFileName(absl::string_view name) {
   if (name.empty() || name == "." || name == ".." ||
-      name.find_first_of(std::string_view("/\0", 2)) != name.npos) {
+      name.find_first_of(absl::string_view("/\0", 2)) != name.npos) {
     return absl::InvalidArgumentError(
         absl::StrCat("shard file name '", name,
                      "' is not a plain file name in the checkpoint directory"));
