@@ -63,7 +63,10 @@ absl::StatusOr<ActivationDump> ActivationDump::Open(const std::string& dir,
       d.file = names[i];
       d.name = t.name;
       d.batch = batch;
-      d.layer = static_cast<uint32_t>(std::stoul(m[1].str()));
+      if (!absl::SimpleAtoi(m[1].str(), &d.layer)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ": tensor '", t.name, "': layer number out of range"));
+      }
       const char letter = m[2].str()[0];
       d.role = letter == 'q' ? Role::kQ : letter == 'k' ? Role::kK : Role::kV;
       if (t.dtype == "F32") {

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <regex>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/safetensors.h"
 #include "kernels/status_macros.h"
@@ -95,7 +96,11 @@ absl::StatusOr<CalibratedScales> ReadScalesFile(const std::string& path) {
                        "granularity ",
                        granularity->second, " ([1] or [heads,1,1])"));
     }
-    const uint32_t layer = static_cast<uint32_t>(std::stoul(m[1].str()));
+    uint32_t layer = 0;
+    if (!absl::SimpleAtoi(m[1].str(), &layer)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": tensor '", t.name, "': layer number out of range"));
+    }
     const int role = m[2].str()[0] == 'q' ? 0 : m[2].str()[0] == 'k' ? 1 : 2;
     std::vector<float>& values = scales.layers[layer][role];
     values.resize(t.elements());

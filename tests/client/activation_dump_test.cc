@@ -112,6 +112,11 @@ TEST(ActivationDumpTest, RejectsBadNamesDtypesAndGeometry) {
         {1, 2, 4},
         ::kvcal::testing::Bytes(floats)},
        "head_dim"},
+      {{"model.layers.99999999999.self_attn.q",
+        "F32",
+        {1, 2, 4},
+        ::kvcal::testing::Bytes(floats)},
+       "layer number out of range"},
   };
   const Geometry geometry{.num_layers = 1,
                           .num_attention_heads = 2,

@@ -501,6 +501,14 @@ TEST_F(PatcherTest, MalformedInputsFailAndChangeNothing) {
          WriteFile(dir_ / "model/model.safetensors.index.json", index.dump());
        },
        absl::StatusCode::kInvalidArgument, "does not hold it"},
+      {"index names a file outside the checkpoint",
+       [&] {
+         Json index = ReadJson(dir_ / "model/model.safetensors.index.json");
+         index["weight_map"]["model.norm.weight"] =
+             "../pristine/model-00002-of-00002.safetensors";
+         WriteFile(dir_ / "model/model.safetensors.index.json", index.dump());
+       },
+       absl::StatusCode::kInvalidArgument, "not a plain file name"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
