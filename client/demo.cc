@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -53,6 +54,9 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
   const absl::Time start = absl::Now();
   std::ostream& out = std::cout;
   const bool text = !args.json;
+  // Each step's line appears as it happens, in order with the progress
+  // lines on stderr, even through a pipe.
+  if (text) out << std::unitbuf;
   std::string dir = args.dir;
   if (dir.empty()) {
     char tmpl[] = "/tmp/kvcal-demo-XXXXXX";
@@ -103,11 +107,14 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
   worker_options.backend = args.backend;
   KVCAL_ASSIGN_OR_RETURN(std::unique_ptr<LocalWorker> worker,
                          LocalWorker::Start(worker_options));
-  KVCAL_ASSIGN_OR_RETURN(CalibrationClient client,
+  // Held in an optional so its channel closes before the worker is stopped:
+  // an open connection makes the worker's drain wait out its grace period.
+  std::optional<CalibrationClient> client;
+  KVCAL_ASSIGN_OR_RETURN(client,
                          CalibrationClient::Connect({worker->address()}, {}));
   KVCAL_ASSIGN_OR_RETURN(
       v1::Session session,
-      CreateSessionFromConfig(client, model_dir + "/config.json", "demo", 64));
+      CreateSessionFromConfig(*client, model_dir + "/config.json", "demo", 64));
   if (text) {
     out << absl::StrFormat(
         "[2/6] started %s on %s (backend %s, log %s); session '%s', 64 "
@@ -122,7 +129,7 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
   upload.max_chunk_bytes = 64 << 10;  // small, so the demo shows splitting
   KVCAL_ASSIGN_OR_RETURN(
       PushSummary pushed,
-      PushDump(client, session.session_id(), dump_dir, upload,
+      PushDump(*client, session.session_id(), dump_dir, upload,
                /*progress=*/text));
   if (text) {
     out << absl::StrFormat(
@@ -143,7 +150,7 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
     const std::string path =
         absl::StrCat(dir, "/scales-", name, ".safetensors");
     KVCAL_ASSIGN_OR_RETURN(FinalizeSummary f,
-                           FinalizeToFile(client, request, path));
+                           FinalizeToFile(*client, request, path));
     if (text) {
       out << "[4/6] per-head scales, observer " << name << " -> " << path
           << "\n"
@@ -181,6 +188,7 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
     out << "[6/6] kvcal inspect " << model_dir << "\n" << inspect.ToText();
 
   // 6. Stop the worker.
+  client.reset();
   const absl::Status stopped = worker->Stop();
   if (text) {
     out << absl::StrFormat(
