@@ -1,5 +1,6 @@
 """Fixtures for kvcal's Python tests: real kvcal-worker processes on
-127.0.0.1 (build/service/kvcal-worker; KVCAL_BUILD_DIR picks another build)."""
+127.0.0.1 (build/service/kvcal-worker; KVCAL_BUILD_DIR picks another build)
+and the kvcal CLI for interop (build/client/kvcal; KVCAL_CLI overrides)."""
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.environ.get("KVCAL_BUILD_DIR", os.path.join(ROOT, "build"))
 WORKER_BIN = os.path.join(BUILD, "service", "kvcal-worker")
-KVCAL_CLI = os.path.join(BUILD, "client", "kvcal")
+KVCAL_CLI = os.environ.get("KVCAL_CLI", os.path.join(BUILD, "client", "kvcal"))
 
 sys.path.insert(0, os.path.dirname(__file__))
 

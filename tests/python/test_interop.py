@@ -3,6 +3,7 @@ safetensors, compressed-tensors' QuantizationConfig and transformers."""
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -95,26 +96,29 @@ def test_patched_checkpoint_opens_everywhere(worker, tmp_path, kvcal_cli, granul
         loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     finally:
         hf_logger.removeHandler(handler)
-    complaints = [r for r in records if "unexpected" in r.lower() or "not used" in r.lower()
-                  or "newly initialized" in r.lower() or "missing" in r.lower()]
-    for message in complaints:
-        stripped = message
-        for name in scales:
-            stripped = stripped.replace(name, "")
-        stripped = stripped.replace("q_scale", "").replace("k_scale", "").replace("v_scale", "")
-        assert "model.layers" not in stripped and "lm_head" not in stripped, message
-    ids = torch.randint(0, 128, (1, 5))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
-
-
-def test_example_runs(tmp_path):
-    """client/python/examples/calibrate_tiny_llama.py end to end (starts its
-    own worker; patches when build/client/kvcal is there)."""
-    example = os.path.join(ROOT, "client", "python", "examples", "calibrate_tiny_llama.py")
-    result = subprocess.run([sys.executable, example, "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert os.path.exists(tmp_path / "scales.safetensors")
-    back = kvcal.Scales.load(str(tmp_path / "scales.safetensors"))
-    assert back.granularity == "head" and len(back) == 12
+    # transformers 5 prints a load report: one row per key (or a compacted
+    # group of keys) whose status is UNEXPECTED, MISSING or MISMATCH. Scale
+    # tensors it does not know (q_scale: compressed-tensors registers only
+    # k_scale and v_scale) may appear there; nothing else may.
+    rows = []
+    for message in records:
+        for line in message.splitlines():
+            cells = [c.strip() for c in line.split("|")]
+            if len(cells) > 1 and cells[1] in ("UNEXPECTED", "MISSING", "MISMATCH"):
+                rows.append((cells[0], cells[1]))
+        lowered = message.lower()
+        if "unexpected" in lowered and "|" not in message:  # transformers 4 style
+            rows.extend((name, "UNEXPECTED") for name in re.findall(r"[\w.]+_scale", message))
+    for key, status in rows:
+        assert status == "UNEXPECTED" and re.fullmatch(r"model\.layers\..+\.self_attn\.[qkv]_scale", key), \
+            (key, status)
+    # Every weight loads unchanged; compressed-tensors registered k_scale and
+    # v_scale for the kv_cache_scheme and they hold kvcal's values (its
+    # forward then fake-quantizes K and V, so logits differ on purpose).
+    state = loaded.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    loaded_scales = {k: v for k, v in state.items() if k.endswith(("k_scale", "v_scale"))}
+    assert len(loaded_scales) == 4, sorted(state)
+    for name, value in loaded_scales.items():
+        np.testing.assert_array_equal(value.float().numpy().reshape(-1), scales[name].reshape(-1))

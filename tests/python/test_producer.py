@@ -134,7 +134,7 @@ def test_scales_file_round_trip_and_cli_reads_it(worker, tmp_path, kvcal_cli):
         np.testing.assert_array_equal(back[name], scales[name])
     # The C++ CLI writes the same file from the same session.
     cli_path = str(tmp_path / "cli.safetensors")
-    subprocess.run([kvcal_cli, "finalize", "--target", worker.target, "--session", "file-test",
+    subprocess.run([kvcal_cli, "finalize", "--server", worker.target, "--session", "file-test",
                     "--granularity", "head", "-o", cli_path], check=True, capture_output=True)
     cli = kvcal.Scales.load(cli_path)
     assert cli.keys() == scales.keys()

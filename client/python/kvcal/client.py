@@ -97,7 +97,7 @@ class Geometry:
 
 
 def _resolve(name: str, table: Mapping[str, int], aliases: Mapping[str, str], what: str) -> str:
-    key = str(name).lower()
+    key = str(name).lower().replace("-", "_")  # the CLI spells them with hyphens
     key = aliases.get(key, key)
     if key not in table:
         raise ValueError(f"kvcal: unknown {what} {name!r} (one of {', '.join(table)})")
