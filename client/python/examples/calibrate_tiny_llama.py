@@ -49,11 +49,13 @@ def main():
     parser.add_argument("--target", help="worker host:port (default: start one from the build)")
     parser.add_argument("--out", help="output directory (default: a new temporary one)")
     parser.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--kvcal", help="the kvcal CLI (default: BUILD_DIR/client/kvcal)")
     parser.add_argument("--batches", type=int, default=8)
     args = parser.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="kvcal-tiny-llama-")
     os.makedirs(out, exist_ok=True)
     start = time.monotonic()
+    timings = {}
 
     # 1. A tiny Llama with grouped-query attention, random weights, saved as safetensors.
     torch.manual_seed(0)
@@ -63,6 +65,7 @@ def main():
     model = transformers.LlamaForCausalLM(config).eval()
     model_dir = os.path.join(out, "model")
     model.save_pretrained(model_dir)
+    timings["build and save the model"] = time.monotonic() - start
 
     worker = None
     target = args.target
@@ -76,6 +79,7 @@ def main():
             with torch.no_grad():
                 for _ in range(args.batches):
                     model(torch.randint(0, config.vocab_size, (4, 64)), use_cache=False)
+        timings["capture"] = time.monotonic() - start - sum(timings.values())
         status = client.status()
         print(f"session {status.session_id}: {status.values_ingested} values in "
               f"{status.chunks_applied} chunks")
@@ -94,7 +98,7 @@ def main():
             worker.wait()
 
     # 4. Patch the saved checkpoint so vLLM loads the scales.
-    cli = os.path.join(args.build_dir, "client", "kvcal")
+    cli = args.kvcal or os.path.join(args.build_dir, "client", "kvcal")
     if os.path.exists(cli):
         patched = os.path.join(out, "model-fp8kv")
         shutil.rmtree(patched, ignore_errors=True)
@@ -103,7 +107,9 @@ def main():
         print(f"patched checkpoint: {patched}")
     else:
         print(f"{cli} not built; patch with: kvcal patch --checkpoint {model_dir} --scales {scales_path}")
-    print(f"done in {time.monotonic() - start:.1f} s; files in {out}")
+    timings["finalize and patch"] = time.monotonic() - start - sum(timings.values())
+    print("  ".join(f"{k}: {v:.1f} s" for k, v in timings.items()))
+    print(f"done in {time.monotonic() - start:.1f} s (after imports); files in {out}")
 
 
 if __name__ == "__main__":
