@@ -45,7 +45,7 @@ def reference_scales(worker):
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
 def test_resume_after_worker_restart(make_worker, worker, how):
     want, want_status = reference_scales(worker)
-    w = make_worker(state_dir=True, snapshot_ms=200)
+    w = make_worker(state_dir=True, snapshot_ms=1000)
     client = kvcal.Client(w.target)
     client.create_session(geometry=GEOMETRY, session_id="resume")
     restarted = threading.Event()
@@ -60,6 +60,7 @@ def test_resume_after_worker_restart(make_worker, worker, how):
         if n == 30:  # let the session and some chunks reach the state file
             producer.flush(durable=True, timeout=20)
         if n == 60:  # mid-stream, with acknowledged chunks not yet durable
+            producer.flush(durable=False, timeout=20)
             threading.Thread(target=restart_worker).start()
 
     producer = kvcal.Producer(client, keep_until_durable=True, chunk_bytes=8 << 10)
@@ -73,8 +74,9 @@ def test_resume_after_worker_restart(make_worker, worker, how):
         # had acknowledged; the producer sent the lost chunks again.
         assert any(0 < mark < acked for mark, acked in producer.resumes), producer.resumes
     else:
-        # SIGTERM drains and saves: nothing acknowledged is lost.
-        assert all(mark == acked for mark, acked in producer.resumes), producer.resumes
+        # SIGTERM drains and saves: nothing acknowledged is lost (the worker
+        # may have applied chunks whose responses the drain cut off).
+        assert all(mark >= acked for mark, acked in producer.resumes), producer.resumes
     status = client.status()
     # Exactly once: the same chunk and value counts as the reference.
     assert status.values_ingested == want_status.values_ingested
