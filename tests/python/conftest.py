@@ -21,8 +21,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 class Worker:
     """One kvcal-worker process; restart() brings it back on the same port."""
 
-    def __init__(self, tmpdir, state_dir=None, snapshot_ms=50):
+    def __init__(self, tmpdir, state_dir=None, snapshot_ms=50, extra_args=()):
         self.tmpdir = tmpdir
+        self.extra_args = list(extra_args)
         self.state_dir = state_dir
         self.snapshot_ms = snapshot_ms
         self.port = 0
@@ -38,7 +39,7 @@ class Worker:
         if os.path.exists(port_file):
             os.unlink(port_file)
         args = [WORKER_BIN, "--listen", f"127.0.0.1:{self.port}", "--port-file", port_file,
-                "--backend", "cpu"]
+                "--backend", "cpu"] + self.extra_args
         if self.state_dir:
             args += ["--state-dir", self.state_dir, "--snapshot-interval-ms", str(self.snapshot_ms)]
         log = open(self.log_path, "ab")
@@ -88,12 +89,12 @@ def worker_bin():
 def make_worker(worker_bin):
     workers = []
 
-    def make(state_dir=None, snapshot_ms=50):
+    def make(state_dir=None, snapshot_ms=50, extra_args=()):
         d = tempfile.mkdtemp(prefix="kvcal-pytest-")
         if state_dir is True:
             state_dir = os.path.join(d, "state")
             os.makedirs(state_dir)
-        w = Worker(d, state_dir, snapshot_ms).start()
+        w = Worker(d, state_dir, snapshot_ms, extra_args).start()
         workers.append(w)
         return w
 

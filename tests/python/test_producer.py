@@ -141,3 +141,16 @@ def test_scales_file_round_trip_and_cli_reads_it(worker, tmp_path, kvcal_cli):
     for name in scales:
         np.testing.assert_array_equal(cli[name], scales[name])
     client.delete()
+
+
+def test_bearer_token(make_worker, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("team-a:s3cret\n")
+    w = make_worker(extra_args=["--auth-token-file", str(tokens)])
+    with pytest.raises(kvcal.KvcalError, match="UNAUTHENTICATED"):
+        kvcal.Client(w.target).create_session(geometry=GEOMETRY)
+    client = kvcal.Client(w.target, token="s3cret")
+    client.create_session(geometry=GEOMETRY)
+    push(client, make_batches(5, nbatches=1))
+    assert client.status().chunks_applied == 6
+    client.delete()

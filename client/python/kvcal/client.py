@@ -112,11 +112,12 @@ class Client:
     """A connection to one kvcal worker and (optionally) one session on it.
 
     target: "host:port". token: sent as `authorization: Bearer <token>`.
-    tls: False/None (plaintext), True (system roots) or grpc.ChannelCredentials.
+    tls: False/None (plaintext), True (system roots), a path to a PEM CA
+    bundle, or grpc.ChannelCredentials.
     """
 
     def __init__(self, target: str, token: Optional[str] = None,
-                 tls: Union[bool, None, grpc.ChannelCredentials] = None,
+                 tls: Union[bool, str, None, grpc.ChannelCredentials] = None,
                  session_id: Optional[str] = None,
                  max_message_bytes: int = 64 << 20,
                  timeout: Optional[float] = 60.0):
@@ -128,7 +129,13 @@ class Client:
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         if tls:
-            creds = tls if isinstance(tls, grpc.ChannelCredentials) else grpc.ssl_channel_credentials()
+            if isinstance(tls, grpc.ChannelCredentials):
+                creds = tls
+            elif isinstance(tls, (str, os.PathLike)):
+                with open(tls, "rb") as f:
+                    creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            else:
+                creds = grpc.ssl_channel_credentials()
             self._channel = grpc.secure_channel(target, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)

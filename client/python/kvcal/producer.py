@@ -232,9 +232,10 @@ class Producer:
         self._closing = False
         self._batch = 0
         self._batches_started = False
+        self.geometry = None  # the session's, read from the worker below
 
+        watermark = self._server_watermark()  # also reads the geometry
         if start_sequence is None:
-            watermark = self._server_watermark()
             start_sequence = (watermark[0] if watermark else 0) + 1
         self._next_sequence = int(start_sequence)
         self._acked = self._durable = self._next_sequence - 1
@@ -417,6 +418,11 @@ class Producer:
 
     def _server_watermark(self) -> Optional[Tuple[int, int]]:
         session = self.client.status(self.session_id)
+        if self.geometry is None:
+            from kvcal.client import Geometry
+
+            self.geometry = Geometry(session.num_layers, session.num_attention_heads,
+                                     session.num_key_value_heads, session.head_dim)
         for p in session.producers:
             if p.producer_id == self.producer_id:
                 return p.sequence, p.durable_sequence

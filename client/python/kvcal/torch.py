@@ -139,7 +139,7 @@ class _Capture:
         self.modules = _attention_modules(model)
         self.in_forward = False
         self.seen: set = set()
-        self.geometry = getattr(producer.client, "geometry", None)
+        self.geometry = getattr(producer, "geometry", None) or getattr(producer.client, "geometry", None)
 
     def _record(self, module, query, key, value) -> None:
         if _torch._C._current_graph_task_id() != -1:
