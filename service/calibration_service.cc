@@ -51,6 +51,7 @@ grpc::ServerUnaryReactor* CalibrationService::Unary(
     Body body) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const Clock::time_point start = Clock::now();
+  unary_in_flight_.fetch_add(1);
   auto run = [this, context, reactor, method, start,
               body = std::move(body)]() mutable {
     absl::StatusOr<std::string> tenant = Authorize(context);
@@ -58,6 +59,7 @@ grpc::ServerUnaryReactor* CalibrationService::Unary(
     if (!status.ok()) metrics_.RecordReject(static_cast<int>(status.code()));
     metrics_.RecordLatency(method, SecondsSince(start));
     reactor->Finish(ToGrpcStatus(status));
+    unary_in_flight_.fetch_sub(1);
   };
   if (offload) {
     executor_.Schedule(std::move(run));

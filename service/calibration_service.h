@@ -52,6 +52,12 @@ class CalibrationService final
   // UNAVAILABLE so that producers reconnect (to this worker once restarted,
   // or another one).
   void DrainStreams();
+
+  // Open Ingest streams plus unary RPCs not yet finished.
+  int64_t InFlightRpcs() const {
+    return unary_in_flight_.load() +
+           static_cast<int64_t>(metrics_.active_streams());
+  }
   // With --state-dir, deletions also remove the session's file.
   void set_persister(SessionPersister* persister) { persister_ = persister; }
   Metrics& metrics() { return metrics_; }
@@ -115,6 +121,7 @@ class CalibrationService final
   SessionPersister* persister_ = nullptr;
   Metrics metrics_;
   std::atomic<int64_t> inflight_bytes_{0};
+  std::atomic<int64_t> unary_in_flight_{0};
   std::atomic<int64_t> last_backpressure_log_{0};
   std::mutex streams_mu_;
   std::set<IngestReactor*> streams_;  // guarded by streams_mu_

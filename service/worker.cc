@@ -166,7 +166,17 @@ void Worker::Shutdown(std::chrono::milliseconds grace) {
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   health->SetServingStatus(false);
   service_->DrainStreams();
-  server_->Shutdown(std::chrono::system_clock::now() + grace);
+  // Our own RPCs end first: drained streams finish once their received
+  // chunks are applied, unary calls once their work is done. Waiting for
+  // them here (bounded by `grace`) lets Shutdown cancel only what is left
+  // instead of idling until the deadline on transport-level bookkeeping.
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  while (service_->InFlightRpcs() > 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(100));
   server_->Wait();
   if (persister_) {
     persister_->Stop();

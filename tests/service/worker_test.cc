@@ -793,7 +793,8 @@ TEST_F(WorkerTest, SigtermDrainsAndExitsZero) {
   EXPECT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << worker_.ReadLog();
   EXPECT_THAT(worker_.ReadLog(), HasSubstr("received SIGTERM"));
-  context.TryCancel();
+  EXPECT_EQ(open_stream->Finish().error_code(), grpc::StatusCode::UNAVAILABLE)
+      << "an open stream ends with UNAVAILABLE so that its producer resumes";
 }
 
 // --- Auth -------------------------------------------------------------------
