@@ -124,3 +124,24 @@ def test_scales_for_vllm(worker):
     assert per_head["model.layers.1.self_attn.attn.k_scale"].shape == (2,)
     assert per_head["model.layers.1.self_attn.attn.q_scale"].shape == (4,)
     client.delete()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "gemma"])
+def test_capture_other_llama_family_models(worker, family):
+    """Qwen3 has q/k norms before RoPE: the rotary output is still what counts."""
+    import importlib
+
+    from tiny_llama import FAMILIES, tiny_model
+
+    model = tiny_model(family)
+    modeling = importlib.import_module(FAMILIES[family][2])
+    client = kvcal.Client(worker.target)
+    client.create_session(model.config)
+    with kvcal.Producer(client) as producer:
+        with record_rotary_and_v(model, modeling) as recorded, kvcal.torch.capture(model, producer):
+            with torch.no_grad():
+                for ids in token_batches(n=2):
+                    model(ids, use_cache=False)
+    assert len(recorded) == 2
+    check(client, recorded, model, observers=("static_minmax",))
+    client.delete()
