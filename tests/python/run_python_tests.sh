@@ -16,6 +16,8 @@ VENV="$ROOT/.venv"
 REQ="$ROOT/tests/python/requirements.txt"
 PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+# The tests build their models from configs: never reach for a model hub.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 
 log() { printf '[python-tests] %s\n' "$*" >&2; }
 die() { printf '[python-tests] error: %s\n' "$*" >&2; exit 1; }
