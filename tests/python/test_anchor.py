@@ -3,7 +3,11 @@ llm-compressor's observers (the library users calibrate with today), per
 tensor and per head. Static, EMA and memoryless min-max agree to float32
 rounding; MSE (llm-compressor searches each batch's raw values, kvcal the
 exact top values plus the histogram of all data) is compared on one batch
-and agrees within one step of the search grid (1%)."""
+and agrees exactly or within one step of the shrink grid, with an error on
+the raw values within 1.02x of llm-compressor's.
+
+Measured (40 random heavy-tailed draws, 120 scales): 116 equal, 4 one grid
+step away (ratios 0.9899, 1.0101, 1.0104)."""
 import numpy as np
 import pytest
 import torch
@@ -17,6 +21,7 @@ HEADS, KV_HEADS, DIM = 4, 2, 16
 
 
 def activations(nbatches, seed):
+    torch.manual_seed(seed)  # StudentT samples from the global generator
     g = torch.Generator().manual_seed(seed)
     batches = []
     for b in range(nbatches):
@@ -57,9 +62,24 @@ def test_minmax_observers_equal_llmcompressor(worker, observer, granularity, str
     np.testing.assert_allclose(got, want, rtol=2e-7 if observer != "minmax" else 1e-6)
 
 
+def fp8_error(x, scale, norm=2.4):
+    """llm-compressor's MSE criterion on raw values: sum |fq(x) - x|^norm."""
+    q = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return float(((q - x).abs() ** norm).sum())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("granularity,strategy", [("tensor", "tensor"), ("head", "attn_head")])
-def test_mse_within_grid_step_of_llmcompressor(worker, granularity, strategy):
-    batches = activations(1, seed=2)
+def test_mse_matches_llmcompressor_within_histogram_resolution(worker, granularity, strategy, seed):
+    """kvcal's MSE scale is llm-compressor's, or one step of the shrink grid
+    away where bin-centre errors tip the search (a few percent of scales); on
+    the raw values its error is then within 1.02x of llm-compressor's
+    (CONTRACT.md's goal)."""
+    batches = activations(1, seed=seed)
     want = llmcompressor_scales(batches, "mse", strategy)
     got = kvcal_scales(worker, batches, "mse", granularity)
-    np.testing.assert_allclose(got, want, rtol=0.0101)
+    np.testing.assert_allclose(got, want, rtol=0.0126)  # one grid step at p >= 0.8
+    x = batches[0]
+    groups = [x] if granularity == "tensor" else [x[:, h] for h in range(KV_HEADS)]
+    for values, ours, theirs in zip(groups, got, want):
+        assert fp8_error(values, float(ours)) <= 1.02 * fp8_error(values, float(theirs))
