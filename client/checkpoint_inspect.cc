@@ -77,10 +77,6 @@ std::optional<std::vector<float>> ReadFloats(const SafetensorsFile& file,
   return values;
 }
 
-std::string ShapeText(const std::vector<uint64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
-}
-
 }  // namespace
 
 absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name) {
@@ -235,9 +231,10 @@ absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name) {
       const bool per_head = n > 1 || (s->shape.size() == 3 && heads == 1);
       any_per_head |= per_head;
       if (per_head && n != heads && !(r == 0 && n == g.num_key_value_heads)) {
-        report.errors.push_back(absl::StrCat(
-            s->tensor, " has shape ", ShapeText(s->shape), " but config.json ",
-            "gives ", heads, " ", kRoleNames[r], " heads"));
+        report.errors.push_back(
+            absl::StrCat(s->tensor, " has shape ", ShapeString(s->shape),
+                         " but config.json ", "gives ", heads, " ",
+                         kRoleNames[r], " heads"));
       }
       if (per_head && !per_head_scheme && !report.strategy.empty()) {
         report.errors.push_back(absl::StrCat(

@@ -67,11 +67,11 @@ absl::Status WriteAll(int fd, const void* data, size_t size,
   return absl::OkStatus();
 }
 
+}  // namespace
+
 std::string ShapeString(const std::vector<uint64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
 }
-
-}  // namespace
 
 std::optional<size_t> SafetensorsDTypeSize(absl::string_view dtype) {
   static const auto* const kSizes =

@@ -35,6 +35,9 @@ namespace kvcal {
 // when the dtype is unknown.
 std::optional<size_t> SafetensorsDTypeSize(absl::string_view dtype);
 
+// "[2,3,4]".
+std::string ShapeString(const std::vector<uint64_t>& shape);
+
 struct TensorInfo {
   std::string name;
   std::string dtype;

@@ -11,14 +11,9 @@
 namespace kvcal {
 namespace {
 
+using ::kvcal::testing::StatusIs;
 using ::kvcal::testing::TempDir;
 using ::testing::HasSubstr;
-
-MATCHER_P2(StatusIs, code, message_matcher, "") {
-  return arg.code() == code &&
-         ::testing::ExplainMatchResult(
-             message_matcher, std::string(arg.message()), result_listener);
-}
 
 TEST(ActivationDumpTest, ReadsDemoDumpsInNameOrderWithoutCopying) {
   TempDir dir;

@@ -28,15 +28,10 @@ namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
 using ::kvcal::testing::ReadFile;
 using ::kvcal::testing::Snapshot;
+using ::kvcal::testing::StatusIs;
 using ::kvcal::testing::TempDir;
 using ::kvcal::testing::WriteFile;
 using ::testing::HasSubstr;
-
-MATCHER_P2(StatusIs, code, message_matcher, "") {
-  return arg.code() == code &&
-         ::testing::ExplainMatchResult(
-             message_matcher, std::string(arg.message()), result_listener);
-}
 
 DemoModelOptions SmallModel(bool sharded) {
   DemoModelOptions o;
@@ -68,12 +63,6 @@ CalibratedScales MakeScales(const DemoModelOptions& m, Granularity granularity,
     }
   }
   return s;
-}
-
-std::string ShapeKey(const std::vector<uint64_t>& shape) {
-  std::string key = "[";
-  for (uint64_t d : shape) key += std::to_string(d) + ",";
-  return key + "]";
 }
 
 Json ReadJson(const std::string& path) { return Json::parse(ReadFile(path)); }
@@ -114,7 +103,7 @@ size_t ExpectOriginalTensorsIdentical(
       for (const TensorInfo& t : file->tensors()) {
         auto data = file->Data(t);
         tensors[t.name] = {
-            t.dtype + ShapeKey(t.shape),
+            t.dtype + ShapeString(t.shape),
             std::string(reinterpret_cast<const char*>(data.data()),
                         data.size())};
       }

@@ -13,15 +13,10 @@ namespace kvcal {
 namespace {
 
 using ::kvcal::testing::ReadFile;
+using ::kvcal::testing::StatusIs;
 using ::kvcal::testing::TempDir;
 using ::kvcal::testing::WriteFile;
 using ::testing::HasSubstr;
-
-MATCHER_P2(StatusIs, code, message_matcher, "") {
-  return arg.code() == code &&
-         ::testing::ExplainMatchResult(
-             message_matcher, std::string(arg.message()), result_listener);
-}
 
 // A raw file: 8-byte length, `header`, then `data_bytes` bytes.
 std::string RawFile(const std::string& header, size_t data_bytes,

@@ -14,9 +14,17 @@
 #include <string>
 
 #include "absl/types/span.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace kvcal::testing {
+
+// Matches an absl::Status with `code` and a message matching `message_matcher`.
+MATCHER_P2(StatusIs, code, message_matcher, "") {
+  return arg.code() == code &&
+         ::testing::ExplainMatchResult(
+             message_matcher, std::string(arg.message()), result_listener);
+}
 
 // A fresh directory under the system temp dir, removed at scope exit.
 class TempDir {
