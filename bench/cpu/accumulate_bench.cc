@@ -5,7 +5,8 @@
 //
 // Every benchmark runs on one thread (BackendOptions::cpu_threads = 1) over a
 // 256 MiB buffer of normally distributed activations, far beyond the caches,
-// streamed as TOKENS_HEADS_DIM chunks of 2048 tokens x 8 heads x 128. The
+// streamed as TOKENS_HEADS_DIM chunks of 2048 tokens x 8 heads x 128 (and,
+// for comparison, as HEADS_TOKENS_DIM chunks [1, 8, 2048, 128]). The
 // read pass sums the same buffer's 64-bit words (vectorized, and its result
 // kept so the compiler cannot drop it). At the end the binary prints, per
 // dtype, accumulate GB/s over read GB/s and the values per second with
@@ -211,6 +212,10 @@ int main(int argc, char** argv) {
         ("accumulate/" + d + "/no_hist/heads_tokens_dim").c_str(),
         kvcal::BM_Accumulate, c.dtype, 0u, Layout::kHeadsTokensDim)
         ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(
+        ("accumulate/" + d + "/hist16/heads_tokens_dim").c_str(),
+        kvcal::BM_Accumulate, c.dtype, 16u, Layout::kHeadsTokensDim)
+        ->Unit(benchmark::kMillisecond);
   }
   // Several repetitions by default; the summary takes the best of each.
   std::vector<char*> args(argv, argv + argc);
@@ -239,7 +244,8 @@ int main(int argc, char** argv) {
     std::printf("%s read pass: %.2f GB/s\n", c.name,
                 read->second.bytes_per_second / 1e9);
     for (const char* variant :
-         {"no_hist", "hist16", "hist64", "no_hist/heads_tokens_dim"}) {
+         {"no_hist", "hist16", "hist64", "no_hist/heads_tokens_dim",
+          "hist16/heads_tokens_dim"}) {
       const auto acc = r.find("accumulate/" + d + "/" + variant);
       if (acc == r.end()) continue;
       std::printf(

@@ -1,9 +1,11 @@
 // The CPU statistics backend: the reference implementation, and fast.
 //
 // State is a SessionStatistics guarded by one mutex per (layer, role). A
-// chunk is validated, then processed under its (layer, role) lock straight
-// into the heads' statistics; heads of a large chunk are spread over the
-// shared thread pool (each head is touched by one thread only).
+// chunk is validated, then processed under its (layer, role) lock into the
+// heads' statistics. The kernels walk the chunk in memory order (rows of
+// head runs, run_kernels.h); a large chunk is split over the thread pool by
+// rows (per-task partial histograms and tails, merged exactly at the end)
+// or, when those partials would be large, by groups of heads.
 #include <algorithm>
 #include <memory>
 #include <mutex>
@@ -20,9 +22,26 @@
 namespace kvcal {
 namespace {
 
-// Below this many values per chunk the thread hand-off costs more than it
-// saves.
-constexpr uint64_t kParallelThreshold = 1 << 16;
+// A thread gets at least this many values of a chunk: below, the hand-off
+// costs more than it saves.
+constexpr uint64_t kMinValuesPerTask = 1 << 15;
+// Rows are split over threads only while each task's partial histograms
+// (heads x bins x 8 bytes) stay this small; beyond, heads are.
+constexpr size_t kMaxPartialHistogramBytes = size_t{1} << 20;
+
+// One task walks rows [row_begin, row_end) of heads [head_begin, head_end)
+// of a chunk in memory order. A task that owns its heads' rows entirely (or
+// is the first of a row split) counts straight into the heads' histograms
+// and tails; the others of a row split count into their own, merged at the
+// end.
+struct ChunkTask {
+  uint64_t row_begin = 0, row_end = 0;
+  size_t head_begin = 0, head_end = 0;
+  bool partial = false;
+  std::vector<cpu::RunAccumulator> accs;
+  std::vector<std::optional<cpu::TailKeeper>> tails;
+  std::vector<uint64_t> histograms;  // heads x bins, when partial
+};
 
 class CpuBackend final : public StatisticsBackend {
  public:
@@ -43,76 +62,82 @@ class CpuBackend final : public StatisticsBackend {
     KVCAL_ASSIGN_OR_RETURN(ChunkExtent extent,
                            ValidateChunk(stats_.geometry(), chunk));
     if (extent.elements() == 0) return absl::OkStatus();
-    const cpu::RunFn run = cpu::BestRunFn(chunk.dtype);
+    const cpu::RowsFn rows_fn = cpu::BestRowsFn(chunk.dtype);
     const size_t element_size = DTypeSize(chunk.dtype);
     const Geometry& g = stats_.geometry();
     const uint32_t log2_bins = g.log2_bins_per_octave();
     const bool histograms = g.has_histograms();
-
-    // One head's running sums for this chunk, folded into its statistics
-    // once at the end.
-    struct HeadWork {
-      std::optional<cpu::TailKeeper> tail;
-      cpu::RunAccumulator acc;
-    };
-    auto begin_head = [&](size_t h, HeadWork& work) {
-      if (!histograms) return;
-      HeadStatistics& head =
-          stats_.head(chunk.layer, chunk.role,
-                      chunk.head_offset + static_cast<uint32_t>(h));
-      work.tail.emplace(head.tail);
-      work.acc.histogram = head.histogram.data();
-      work.acc.log2_bins_per_octave = log2_bins;
-      work.acc.tail = &*work.tail;
-    };
-    // Element (o, h, i) sits at (o * heads + h) * inner + i: one run of
-    // `inner` values per outer index, `heads * inner` elements apart.
-    auto run_rows = [&](size_t h, uint64_t first, uint64_t count,
-                        HeadWork& work) {
-      run(chunk.data.data() +
-              ((first * extent.heads + h) * extent.inner) * element_size,
-          count, extent.inner, extent.heads * extent.inner, work.acc);
-    };
-    auto finish_head = [&](size_t h, HeadWork& work) {
-      HeadStatistics& head =
-          stats_.head(chunk.layer, chunk.role,
-                      chunk.head_offset + static_cast<uint32_t>(h));
-      const cpu::RunAccumulator& acc = work.acc;
-      head.finite_count += acc.finite;
-      head.nan_count += acc.nan;
-      head.inf_count += acc.inf;
-      head.sum += acc.sum;
-      head.sum_squares += acc.sum_squares;
-      if (acc.finite > 0) {
-        head.min = std::min(head.min, acc.min);
-        head.max = std::max(head.max, acc.max);
-        head.batches[chunk.batch].Merge(MinMax{acc.min, acc.max});
-      }
-      if (work.tail) work.tail->StoreSortedDescending(&head.tail);
+    const size_t bins = g.histogram_bins();
+    const size_t heads = extent.heads;
+    const size_t row_stride = heads * extent.inner;
+    auto head_stats = [&](size_t h) -> HeadStatistics& {
+      return stats_.head(chunk.layer, chunk.role,
+                         chunk.head_offset + static_cast<uint32_t>(h));
     };
 
     std::lock_guard<std::mutex> lock(
         locks_[chunk.layer * 3 + static_cast<size_t>(RoleIndex(chunk.role))]);
-    if (!single_thread_ && extent.heads > 1 &&
-        extent.elements() >= kParallelThreshold) {
-      // Heads over threads; each head is touched by one thread only.
-      ThreadPool& pool = pool_ ? *pool_ : ThreadPool::Shared();
-      pool.ParallelFor(extent.heads, [&](size_t h) {
-        HeadWork work;
-        begin_head(h, work);
-        run_rows(h, 0, extent.outer, work);
-        finish_head(h, work);
-      });
+    std::vector<ChunkTask> tasks = Plan(extent, bins);
+    for (ChunkTask& task : tasks) {
+      const size_t n = task.head_end - task.head_begin;
+      task.accs.resize(n);
+      if (!histograms) continue;
+      task.tails.resize(n);
+      if (task.partial) task.histograms.assign(n * bins, 0);
+      for (size_t i = 0; i < n; ++i) {
+        HeadStatistics& head = head_stats(task.head_begin + i);
+        cpu::RunAccumulator& acc = task.accs[i];
+        task.tails[i].emplace(task.partial ? std::vector<float>() : head.tail);
+        acc.histogram = task.partial ? task.histograms.data() + i * bins
+                                     : head.histogram.data();
+        acc.log2_bins_per_octave = log2_bins;
+        acc.tail = &*task.tails[i];
+      }
+    }
+    auto run = [&](ChunkTask& task) {
+      rows_fn(chunk.data.data() + (task.row_begin * row_stride +
+                                   task.head_begin * extent.inner) *
+                                      element_size,
+              task.row_end - task.row_begin, row_stride,
+              task.head_end - task.head_begin, extent.inner, task.accs.data());
+    };
+
+    if (tasks.size() == 1) {
+      run(tasks[0]);
     } else {
-      // One call per head covers all its rows: the kernel prefetches the
-      // strided runs and the sub-histograms are flushed once per head.
-      // (Walking the chunk in blocks of rows, all heads per block, was no
-      // faster with the prefetch and made every call flush its histogram.)
-      for (size_t h = 0; h < extent.heads; ++h) {
-        HeadWork work;
-        begin_head(h, work);
-        run_rows(h, 0, extent.outer, work);
-        finish_head(h, work);
+      ThreadPool& pool = pool_ ? *pool_ : ThreadPool::Shared();
+      pool.ParallelFor(tasks.size(), [&](size_t t) { run(tasks[t]); });
+    }
+
+    // Fold every task's sums into the heads' statistics, tasks in order.
+    std::vector<float> tail_values;
+    for (size_t h = 0; h < heads; ++h) {
+      HeadStatistics& head = head_stats(h);
+      MinMax extrema;
+      for (ChunkTask& task : tasks) {
+        if (h < task.head_begin || h >= task.head_end) continue;
+        const size_t i = h - task.head_begin;
+        const cpu::RunAccumulator& acc = task.accs[i];
+        head.finite_count += acc.finite;
+        head.nan_count += acc.nan;
+        head.inf_count += acc.inf;
+        head.sum += acc.sum;
+        head.sum_squares += acc.sum_squares;
+        if (acc.finite > 0) extrema.Merge(MinMax{acc.min, acc.max});
+        if (!histograms) continue;
+        if (!task.partial) {
+          task.tails[i]->StoreSortedDescending(&head.tail);
+          continue;
+        }
+        const uint64_t* partial = task.histograms.data() + i * bins;
+        for (size_t b = 0; b < bins; ++b) head.histogram[b] += partial[b];
+        task.tails[i]->StoreSortedDescending(&tail_values);
+        head.MergeTail(tail_values.data(), tail_values.size());
+      }
+      if (extrema.min <= extrema.max) {
+        head.min = std::min(head.min, extrema.min);
+        head.max = std::max(head.max, extrema.max);
+        head.batches[chunk.batch].Merge(extrema);
       }
     }
     return absl::OkStatus();
@@ -136,6 +161,48 @@ class CpuBackend final : public StatisticsBackend {
 
   size_t StateBytes() const override {
     return EstimateStateBytes(stats_.geometry());
+  }
+
+  // How a chunk is spread over threads. Small chunks, and one thread, get
+  // one task. Otherwise, when the per-task partial histograms are small,
+  // the rows are split (every task reads whole rows, in order; the first
+  // task of the split counts straight into the statistics); else the heads
+  // are split into groups (each task owns its heads).
+  std::vector<ChunkTask> Plan(const ChunkExtent& extent, size_t bins) const {
+    std::vector<ChunkTask> tasks;
+    const size_t threads =
+        single_thread_
+            ? 1
+            : static_cast<size_t>(
+                  (pool_ ? *pool_ : ThreadPool::Shared()).workers()) +
+                  1;
+    const uint64_t max_tasks =
+        std::min<uint64_t>(threads, extent.elements() / kMinValuesPerTask);
+    const size_t partial_bytes = extent.heads * bins * sizeof(uint64_t);
+    if (max_tasks >= 2 && extent.outer >= 2 &&
+        partial_bytes <= kMaxPartialHistogramBytes) {
+      const uint64_t n = std::min<uint64_t>(max_tasks, extent.outer);
+      for (uint64_t t = 0; t < n; ++t) {
+        ChunkTask& task = tasks.emplace_back();
+        task.row_begin = extent.outer * t / n;
+        task.row_end = extent.outer * (t + 1) / n;
+        task.head_end = extent.heads;
+        task.partial = t != 0;
+      }
+    } else if (max_tasks >= 2 && extent.heads >= 2) {
+      const uint64_t n = std::min<uint64_t>(max_tasks, extent.heads);
+      for (uint64_t t = 0; t < n; ++t) {
+        ChunkTask& task = tasks.emplace_back();
+        task.row_end = extent.outer;
+        task.head_begin = static_cast<size_t>(extent.heads * t / n);
+        task.head_end = static_cast<size_t>(extent.heads * (t + 1) / n);
+      }
+    } else {
+      ChunkTask& task = tasks.emplace_back();
+      task.row_end = extent.outer;
+      task.head_end = extent.heads;
+    }
+    return tasks;
   }
 
  private:

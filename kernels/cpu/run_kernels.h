@@ -1,8 +1,17 @@
-// Inner loops of the CPU backend: one pass over a contiguous run of values of
-// one head that updates min, max, counts, moments, the |x| histogram and the
+// Inner loops of the CPU backend: one pass over the runs of a chunk that
+// updates, per head, min, max, counts, moments, the |x| histogram and the
 // exact tail together. A portable scalar version and an AVX2 version (chosen
-// at run time when the CPU has AVX2 and F16C) compute identical min, max,
+// at run time when the CPU has AVX2, F16C and FMA) compute identical min, max,
 // counts, histograms and tails; the double sums differ only by rounding.
+//
+// Both layouts of a chunk are rows of head runs (types.h ChunkExtent: element
+// (o, h, i) at (o * heads + h) * inner + i), so one kernel walks either in
+// memory order:
+//
+//   std::vector<kvcal::cpu::RunAccumulator> accs(extent.heads);
+//   kvcal::cpu::BestRowsFn(dtype)(data, extent.outer,
+//                                 extent.heads * extent.inner, extent.heads,
+//                                 extent.inner, accs.data());
 #ifndef KVCAL_KERNELS_CPU_RUN_KERNELS_H_
 #define KVCAL_KERNELS_CPU_RUN_KERNELS_H_
 
@@ -32,6 +41,7 @@ class TailKeeper {
   float threshold_ = -1.0f;
 };
 
+// What one head saw. min and max are canonical (-0.0 counts as +0.0).
 struct RunAccumulator {
   float min = std::numeric_limits<float>::infinity();
   float max = -std::numeric_limits<float>::infinity();
@@ -45,18 +55,20 @@ struct RunAccumulator {
   TailKeeper* tail = nullptr;  // null: no tail
 };
 
-// Adds `runs` runs of `length` values of type `dtype` to `acc`; run r starts
-// `r * stride` elements after `data`. One call covers every run of one head
-// in a chunk, so per-call set-up and reductions are paid once per head, and
-// the implementation can prefetch the next runs of a strided layout.
-using RunFn = void (*)(const void* data, size_t runs, size_t length,
-                       size_t stride, RunAccumulator& acc);
+// Adds `rows` rows of `heads` runs of `length` values of one dtype: the run of
+// row r and head h starts (r * stride + h * length) elements after `data`
+// and goes to accs[h]. Every accumulator must agree on whether it has a
+// histogram (all with the same resolution) and on whether it has a tail.
+// The walk follows memory order: rows one after the other, the heads of a row
+// in turn, with each head's vector state parked between its runs.
+using RowsFn = void (*)(const void* data, size_t rows, size_t stride,
+                        size_t heads, size_t length, RunAccumulator* accs);
 
-RunFn ScalarRunFn(DType dtype);
-// nullptr when this build or this CPU has no AVX2/F16C.
-RunFn Avx2RunFn(DType dtype);
+RowsFn ScalarRowsFn(DType dtype);
+// nullptr when this build or this CPU has no AVX2/F16C/FMA.
+RowsFn Avx2RowsFn(DType dtype);
 // The fastest available implementation.
-RunFn BestRunFn(DType dtype);
+RowsFn BestRowsFn(DType dtype);
 
 }  // namespace kvcal::cpu
 

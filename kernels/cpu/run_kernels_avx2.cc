@@ -1,6 +1,20 @@
 // AVX2 + F16C + FMA inner loops. This file alone is compiled with
-// -mavx2 -mf16c -mfma; Avx2RunFn checks the CPU at run time before handing
+// -mavx2 -mf16c -mfma; Avx2RowsFn checks the CPU at run time before handing
 // these out, so the binary still runs on CPUs without AVX2.
+//
+// The walk follows memory order (run_kernels.h): each head's vector state
+// (min, max and double sums, two interleaved sets) lives in a small per-head
+// record that is loaded into registers for one run of that head and stored
+// back after it, so a TOKENS_HEADS_DIM chunk is read as one sequential
+// stream instead of one strided stream per head.
+//
+// Non-finite values are rare, so the vector loop does not look for them:
+// a run is processed in blocks, and a NaN or Inf in a block shows up as a
+// non-finite double sum at the block's end (finite floats cannot make a
+// double sum overflow). Such a block is then done again from the head's
+// state before it, lane by lane masked; its histogram increments for the
+// non-finite lanes (which land in the overflow bin) are taken back, and the
+// tail never sees them (its rare insertion path checks finiteness).
 #include "kernels/cpu/run_kernels.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__F16C__) && \
@@ -13,14 +27,45 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels/cpu/run_kernels.h"
 #include "kernels/element_math.h"
 
 namespace kvcal::cpu {
 namespace {
 
+// Pairs of 8-value vectors per block: the unit that is redone when it holds
+// a non-finite value.
+constexpr size_t kBlockPairs = 128;
+// Sub-histogram counters are uint32 and get at most one count per vector, so
+// a head is flushed before it sees 2^31 vectors.
+constexpr uint64_t kFlushEveryVectors = uint64_t{1} << 31;
+// The sub-histograms of the heads walked together stay within this many
+// bytes (more heads are walked as several groups, one after the other).
+constexpr size_t kSubHistogramBudget = size_t{1} << 20;
+
+// Loads 16 values as two vectors of 8 floats. The order of lanes does not
+// matter to any statistic, so bf16 uses two in-lane unpacks of one 32-byte
+// load.
 template <DType kDType>
-__m256 Load8(const unsigned char* p) {
+__attribute__((always_inline)) inline void Load16(const unsigned char* p,
+                                                  __m256& a, __m256& b) {
+  if constexpr (kDType == DType::kF32) {
+    a = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+    b = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 32));
+  } else if constexpr (kDType == DType::kF16) {
+    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    b = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i z = _mm256_setzero_si256();
+    a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+    b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+  }
+}
+
+// Loads 8 values as one vector.
+template <DType kDType>
+__attribute__((always_inline)) inline __m256 Load8(const unsigned char* p) {
   if constexpr (kDType == DType::kF32) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
   } else if constexpr (kDType == DType::kF16) {
@@ -33,86 +78,134 @@ __m256 Load8(const unsigned char* p) {
   }
 }
 
-// Histogram bins of 8 finite values (element_math.h's HistogramBin, lane-wise).
+// Histogram bins of 8 |x| (element_math.h's HistogramBin, lane-wise): the
+// bits shifted right by 23 - log2(B) are exponent * B + top mantissa bits,
+// so the bin is that minus a constant, clamped to [underflow, overflow]
+// (non-finite lanes get the overflow bin), and zero where |x| is +0 (the
+// only case where |x|'s bits are below the clamped bin). Checked against
+// HistogramBin for every 31-bit |x| at every resolution.
 __attribute__((always_inline)) inline __m256i Bins8(__m256i abs_bits,
-                                                    uint32_t log2_bins,
+                                                    __m128i mantissa_shift,
+                                                    __m256i bin_offset,
                                                     __m256i overflow_bin) {
-  const __m256i exponent = _mm256_srli_epi32(abs_bits, 23);
-  const __m256i mantissa =
-      _mm256_and_si256(abs_bits, _mm256_set1_epi32(0x7fffff));
-  const __m128i shift = _mm_cvtsi32_si128(static_cast<int>(23u - log2_bins));
-  const __m128i octave_shift = _mm_cvtsi32_si128(static_cast<int>(log2_bins));
-  const __m256i lowest = _mm256_set1_epi32(127 + kHistogramMinExponent);
-  __m256i bin = _mm256_add_epi32(
-      _mm256_add_epi32(
-          _mm256_set1_epi32(kFirstOctaveBin),
-          _mm256_sll_epi32(_mm256_sub_epi32(exponent, lowest), octave_shift)),
-      _mm256_srl_epi32(mantissa, shift));
-  const __m256i under = _mm256_cmpgt_epi32(lowest, exponent);
-  const __m256i over = _mm256_cmpgt_epi32(
-      exponent, _mm256_set1_epi32(127 + kHistogramMaxExponent - 1));
-  const __m256i zero = _mm256_cmpeq_epi32(abs_bits, _mm256_setzero_si256());
-  bin = _mm256_blendv_epi8(bin, _mm256_set1_epi32(kUnderflowBin), under);
-  bin = _mm256_blendv_epi8(bin, overflow_bin, over);
-  bin = _mm256_blendv_epi8(bin, _mm256_set1_epi32(kZeroBin), zero);
-  return bin;
+  __m256i bin =
+      _mm256_sub_epi32(_mm256_srl_epi32(abs_bits, mantissa_shift), bin_offset);
+  bin = _mm256_max_epi32(bin, _mm256_set1_epi32(kUnderflowBin));
+  bin = _mm256_min_epi32(bin, overflow_bin);
+  return _mm256_min_epu32(bin, abs_bits);
 }
 
-// The histogram of one call is counted in kSubHistograms interleaved uint32
-// sub-histograms, lane l of each 8-value vector into sub-histogram l: repeated
-// bins (the common case: activations crowd into a few octaves) then form
-// eight independent store-to-load chains instead of one. The sub-histograms
-// are per thread, kept all zero between calls, and flushed into the uint64
-// histogram (only the bin range that was touched) at the end of each call and
-// before any counter could reach 2^32. Counts are exact, so results are
-// bitwise those of the scalar path.
-constexpr int kSubHistograms = 8;
-constexpr size_t kFlushEvery = size_t{1} << 31;  // values per flush, < 2^32
-// Prefetch this many runs ahead when the runs of a head are strided.
-constexpr size_t kPrefetchRuns = 16;
-constexpr size_t kMaxPrefetchBytes = 4096;
+// One set of vector accumulators.
+struct Lanes {
+  __m256 vmin;
+  __m256 vmax;
+  __m256d sum0, sum1, sq0, sq1;
+};
 
-uint32_t* SubHistograms(uint32_t bins) {
+Lanes EmptyLanes() {
+  return Lanes{_mm256_set1_ps(std::numeric_limits<float>::infinity()),
+               _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+               _mm256_setzero_pd(),
+               _mm256_setzero_pd(),
+               _mm256_setzero_pd(),
+               _mm256_setzero_pd()};
+}
+
+// A head's state while the rows are walked: two sets of accumulators (so
+// that the latency of the double additions does not bound the loop) and the
+// counts of the vector code.
+struct HeadState {
+  Lanes even;
+  Lanes odd;
+  uint64_t vector_values = 0;  // values seen by the vector code
+  uint64_t nonfinite = 0;      // of those, NaN or Inf
+  uint64_t nan = 0;
+  uint64_t since_flush = 0;  // vectors since the sub-histograms were flushed
+};
+
+// The histogram is counted in per-head uint32 sub-histograms with the eight
+// lanes of a vector interleaved (counter bin * 8 + lane): repeated bins (the
+// common case: activations crowd into a few octaves) then form eight
+// independent store-to-load chains instead of one. The sub-histograms are
+// per thread, kept all zero between calls, and flushed into the uint64
+// histogram at the end of each call and before a counter could reach 2^32.
+// Counts are exact, so results are bitwise those of the scalar path.
+uint32_t* SubHistograms(size_t counters) {
   thread_local std::vector<uint32_t> scratch;
-  const size_t need = static_cast<size_t>(bins) * kSubHistograms;
-  if (scratch.size() < need) scratch.resize(need, 0);
+  if (scratch.size() < counters) scratch.resize(counters, 0);
   return scratch.data();
 }
 
-void FlushSubHistograms(uint32_t* sub, uint32_t bins, uint32_t lo, uint32_t hi,
-                        uint64_t* histogram) {
-  for (uint32_t bin = lo; bin <= hi && bin < bins; ++bin) {
-    uint64_t total = 0;
-    for (int k = 0; k < kSubHistograms; ++k) {
-      total += sub[static_cast<size_t>(k) * bins + bin];
-      sub[static_cast<size_t>(k) * bins + bin] = 0;
-    }
-    histogram[bin] += total;
+HeadState* HeadStates(size_t heads) {
+  thread_local std::vector<HeadState> scratch;
+  if (scratch.size() < heads) scratch.resize(heads);
+  for (size_t h = 0; h < heads; ++h) {
+    scratch[h] = HeadState{EmptyLanes(), EmptyLanes()};
+  }
+  return scratch.data();
+}
+
+float HorizontalMin(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float m = lanes[0];
+  for (float x : lanes) m = std::min(m, x);
+  return m;
+}
+float HorizontalMax(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float m = lanes[0];
+  for (float x : lanes) m = std::max(m, x);
+  return m;
+}
+double HorizontalSum(__m256d a, __m256d b) {
+  alignas(32) double d[4];
+  _mm256_store_pd(d, _mm256_add_pd(a, b));
+  return (d[0] + d[1]) + (d[2] + d[3]);
+}
+
+// Adds the counters [0, last_bin] of one head's sub-histograms to
+// `histogram` and zeroes them. Every counted bin is at most the bin of the
+// head's largest finite |x| (non-finite lanes were taken back).
+void FlushSubHistograms(uint32_t* sub, uint32_t last_bin, uint64_t* histogram) {
+  for (uint32_t bin = 0; bin <= last_bin; ++bin) {
+    uint32_t* counters = sub + static_cast<size_t>(bin) * 8;
+    const __m256i c =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(counters));
+    if (_mm256_testz_si256(c, c)) continue;
+    const __m256i wide =
+        _mm256_add_epi64(_mm256_cvtepu32_epi64(_mm256_castsi256_si128(c)),
+                         _mm256_cvtepu32_epi64(_mm256_extracti128_si256(c, 1)));
+    alignas(32) uint64_t parts[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(parts), wide);
+    histogram[bin] += (parts[0] + parts[1]) + (parts[2] + parts[3]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(counters),
+                        _mm256_setzero_si256());
   }
 }
 
-uint32_t HorizontalMinU32(__m256i v) {
-  alignas(32) uint32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
-  uint32_t m = lanes[0];
-  for (uint32_t x : lanes) m = std::min(m, x);
-  return m;
-}
-uint32_t HorizontalMaxU32(__m256i v) {
-  alignas(32) uint32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
-  uint32_t m = lanes[0];
-  for (uint32_t x : lanes) m = std::max(m, x);
-  return m;
+// True when one of the sums is NaN or +-Inf.
+__attribute__((always_inline)) inline bool SumsNonFinite(const Lanes& a,
+                                                         const Lanes& b) {
+  const __m256d t = _mm256_add_pd(_mm256_add_pd(a.sum0, a.sum1),
+                                  _mm256_add_pd(b.sum0, b.sum1));
+  const __m256d d = _mm256_sub_pd(t, t);  // 0 when finite, else NaN
+  return _mm256_movemask_pd(_mm256_cmp_pd(d, d, _CMP_UNORD_Q)) != 0;
 }
 
-// flatten: the per-vector lambdas below must be inlined into the loop.
-template <DType kDType, bool kHistogram, bool kTail>
-__attribute__((flatten)) void Avx2Runs(const void* data, size_t runs,
-                                       size_t length, size_t stride,
-                                       RunAccumulator& acc) {
+// The careful path, for a block that holds a non-finite value: adds the
+// finite values of `pairs` pairs of vectors at p (then one more vector when
+// `single`) to the head's state, counts the others, and takes back the
+// overflow counts that the fast path gave them (sub: the head's
+// sub-histograms, or null). Kept out of line so that the fast path keeps its
+// registers.
+template <DType kDType>
+__attribute__((noinline)) void RedoBlockCarefully(const unsigned char* p,
+                                                  size_t pairs, bool single,
+                                                  HeadState& s, uint32_t* sub,
+                                                  uint32_t overflow) {
   constexpr size_t kSize = kDType == DType::kF32 ? 4 : 2;
-  const auto* base = static_cast<const unsigned char*>(data);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   const __m256i max_finite = _mm256_set1_epi32(0x7f7fffff);
   const __m256i inf_bits = _mm256_set1_epi32(0x7f800000);
@@ -120,110 +213,135 @@ __attribute__((flatten)) void Avx2Runs(const void* data, size_t runs,
   const __m256 neg_inf =
       _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 zero = _mm256_setzero_ps();
-  const uint32_t log2_bins = acc.log2_bins_per_octave;
-  const uint32_t bin_count = HistogramBinCount(log2_bins);
-  const __m256i overflow_bin =
-      _mm256_set1_epi32(static_cast<int>(bin_count - 1));
-  TailKeeper* const tail = acc.tail;
-  uint32_t* const sub = kHistogram ? SubHistograms(bin_count) : nullptr;
-  const __m256i lane_offset =
-      _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                         _mm256_set1_epi32(static_cast<int>(bin_count)));
-  __m256i bin_lo = _mm256_set1_epi32(-1);  // as unsigned: UINT32_MAX
-  __m256i bin_hi = _mm256_setzero_si256();
-  size_t since_flush = 0;
-  auto flush = [&] {
-    if constexpr (kHistogram) {
-      if (since_flush == 0) return;
-      FlushSubHistograms(sub, bin_count, HorizontalMinU32(bin_lo),
-                         HorizontalMaxU32(bin_hi), acc.histogram);
-      bin_lo = _mm256_set1_epi32(-1);
-      bin_hi = _mm256_setzero_si256();
-      since_flush = 0;
-    }
-  };
-
-  // Two independent sets of vector accumulators, so that the latency of
-  // the double additions does not bound the loop.
-  struct Lanes {
-    __m256 vmin = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
-    __m256d sq0 = _mm256_setzero_pd(), sq1 = _mm256_setzero_pd();
-  };
-  Lanes even, odd;
-  uint64_t vector_values = 0, nonfinite = 0, nan = 0;
-  __m256 threshold = _mm256_set1_ps(kTail ? tail->threshold() : 0.0f);
-
-  // Adds the 8 values at p into the accumulator set l.
-  auto add_vector = [&](const unsigned char* p, Lanes& l) {
-    {
-      // x + 0 turns -0.0 into +0.0 (element_math.h CanonicalZero).
-      const __m256 x = _mm256_add_ps(Load8<kDType>(p), zero);
-      const __m256i bits = _mm256_castps_si256(x);
-      const __m256i abs_bits = _mm256_and_si256(bits, abs_mask);
-      const __m256i bad = _mm256_cmpgt_epi32(abs_bits, max_finite);
-      const int bad_mask = _mm256_movemask_ps(_mm256_castsi256_ps(bad));
-      __m256 xf = x;  // x with non-finite lanes zeroed
-      if (bad_mask != 0) [[unlikely]] {
-        const __m256i is_nan = _mm256_cmpgt_epi32(abs_bits, inf_bits);
-        nonfinite += static_cast<uint64_t>(__builtin_popcount(bad_mask));
-        nan += static_cast<uint64_t>(__builtin_popcount(
-            _mm256_movemask_ps(_mm256_castsi256_ps(is_nan))));
-        const __m256 bad_ps = _mm256_castsi256_ps(bad);
-        l.vmin = _mm256_min_ps(l.vmin, _mm256_blendv_ps(x, pos_inf, bad_ps));
-        l.vmax = _mm256_max_ps(l.vmax, _mm256_blendv_ps(x, neg_inf, bad_ps));
-        xf = _mm256_blendv_ps(x, zero, bad_ps);
-      } else {
-        l.vmin = _mm256_min_ps(l.vmin, x);
-        l.vmax = _mm256_max_ps(l.vmax, x);
-      }
-      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(xf));
-      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(xf, 1));
-      l.sum0 = _mm256_add_pd(l.sum0, lo);
-      l.sum1 = _mm256_add_pd(l.sum1, hi);
-      l.sq0 = _mm256_fmadd_pd(lo, lo, l.sq0);
-      l.sq1 = _mm256_fmadd_pd(hi, hi, l.sq1);
-      if constexpr (kHistogram) {
-        const __m256i bin = Bins8(abs_bits, log2_bins, overflow_bin);
-        bin_lo = _mm256_min_epu32(bin_lo, bin);
-        bin_hi = _mm256_max_epu32(bin_hi, bin);
-        // Lane indices leave the vector through 64-bit extracts: a 32-byte
-        // store read back as 4-byte loads defeats store-to-load forwarding.
-        const __m256i slot = _mm256_add_epi32(bin, lane_offset);
-        const __m128i slot_lo = _mm256_castsi256_si128(slot);
-        const __m128i slot_hi = _mm256_extracti128_si256(slot, 1);
-        const uint64_t pairs[4] = {
-            static_cast<uint64_t>(_mm_cvtsi128_si64(slot_lo)),
-            static_cast<uint64_t>(_mm_extract_epi64(slot_lo, 1)),
-            static_cast<uint64_t>(_mm_cvtsi128_si64(slot_hi)),
-            static_cast<uint64_t>(_mm_extract_epi64(slot_hi, 1))};
-        if (bad_mask == 0) [[likely]] {
-          for (int k = 0; k < 4; ++k) {
-            ++sub[static_cast<uint32_t>(pairs[k])];
-            ++sub[pairs[k] >> 32];
-          }
-        } else {
-          for (int lane = 0; lane < 8; ++lane) {
-            if (((bad_mask >> lane) & 1) == 0) {
-              ++sub[static_cast<uint32_t>(pairs[lane / 2] >>
-                                          (32 * (lane % 2)))];
-            }
+  auto add = [&](__m256 x, Lanes& l) {
+    const __m256i abs_bits = _mm256_and_si256(_mm256_castps_si256(x), abs_mask);
+    const __m256i bad = _mm256_cmpgt_epi32(abs_bits, max_finite);
+    const int bad_mask = _mm256_movemask_ps(_mm256_castsi256_ps(bad));
+    const __m256 bad_ps = _mm256_castsi256_ps(bad);
+    if (bad_mask != 0) {
+      const __m256i is_nan = _mm256_cmpgt_epi32(abs_bits, inf_bits);
+      s.nonfinite += static_cast<uint64_t>(__builtin_popcount(bad_mask));
+      s.nan += static_cast<uint64_t>(
+          __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(is_nan))));
+      if (sub != nullptr) {
+        for (int lane = 0; lane < 8; ++lane) {
+          if ((bad_mask >> lane) & 1) {
+            --sub[static_cast<size_t>(overflow) * 8 +
+                  static_cast<size_t>(lane)];
           }
         }
       }
+    }
+    l.vmin = _mm256_min_ps(l.vmin, _mm256_blendv_ps(x, pos_inf, bad_ps));
+    l.vmax = _mm256_max_ps(l.vmax, _mm256_blendv_ps(x, neg_inf, bad_ps));
+    const __m256 xf = _mm256_blendv_ps(x, zero, bad_ps);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(xf));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(xf, 1));
+    l.sum0 = _mm256_add_pd(l.sum0, lo);
+    l.sum1 = _mm256_add_pd(l.sum1, hi);
+    l.sq0 = _mm256_fmadd_pd(lo, lo, l.sq0);
+    l.sq1 = _mm256_fmadd_pd(hi, hi, l.sq1);
+  };
+  for (size_t k = 0; k < pairs; ++k, p += 16 * kSize) {
+    __m256 a, b;
+    Load16<kDType>(p, a, b);
+    add(a, s.even);
+    add(b, s.odd);
+  }
+  if (single) add(Load8<kDType>(p), s.even);
+}
+
+// flatten: the per-vector lambdas below must be inlined into the loops.
+template <DType kDType, bool kHistogram, bool kTail>
+__attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
+                                            size_t rows, size_t stride_bytes,
+                                            size_t heads, size_t length,
+                                            RunAccumulator* accs) {
+  constexpr size_t kSize = kDType == DType::kF32 ? 4 : 2;
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const uint32_t log2_bins = accs[0].log2_bins_per_octave;
+  const uint32_t bin_count = HistogramBinCount(log2_bins);
+  const uint32_t overflow = bin_count - 1;
+  const __m256i overflow_bin = _mm256_set1_epi32(static_cast<int>(overflow));
+  const __m256i bin_offset = _mm256_set1_epi32(static_cast<int>(
+      ((127 + kHistogramMinExponent) << log2_bins) - kFirstOctaveBin));
+  const __m128i mantissa_shift =
+      _mm_cvtsi32_si128(static_cast<int>(23u - log2_bins));
+  const __m256i lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const size_t head_counters = static_cast<size_t>(bin_count) * 8;
+  uint32_t* const subs =
+      kHistogram ? SubHistograms(heads * head_counters) : nullptr;
+  HeadState* const states = HeadStates(heads);
+
+  auto flush = [&](size_t h) {
+    if constexpr (kHistogram) {
+      HeadState& s = states[h];
+      if (s.since_flush == 0) return;
+      const float absmax =
+          std::max(-HorizontalMin(_mm256_min_ps(s.even.vmin, s.odd.vmin)),
+                   HorizontalMax(_mm256_max_ps(s.even.vmax, s.odd.vmax)));
+      // No finite value yet: every counter was taken back.
+      if (absmax >= 0.0f) {
+        FlushSubHistograms(subs + h * head_counters,
+                           HistogramBin(absmax, log2_bins), accs[h].histogram);
+      }
+      s.since_flush = 0;
+    }
+  };
+
+  // The fast path: adds the 8 values x to l, counts every lane (non-finite
+  // ones into the overflow bin) and offers finite |x| above the threshold
+  // to the tail.
+  auto add_fast = [&](__m256 x, Lanes& l, uint32_t* sub, TailKeeper* tail,
+                      __m256& threshold) {
+    l.vmin = _mm256_min_ps(l.vmin, x);
+    l.vmax = _mm256_max_ps(l.vmax, x);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    l.sum0 = _mm256_add_pd(l.sum0, lo);
+    l.sum1 = _mm256_add_pd(l.sum1, hi);
+    l.sq0 = _mm256_fmadd_pd(lo, lo, l.sq0);
+    l.sq1 = _mm256_fmadd_pd(hi, hi, l.sq1);
+    if constexpr (kHistogram || kTail) {
+      const __m256i abs_bits =
+          _mm256_and_si256(_mm256_castps_si256(x), abs_mask);
+      if constexpr (kHistogram) {
+        const __m256i bin =
+            Bins8(abs_bits, mantissa_shift, bin_offset, overflow_bin);
+        // Lane indices leave the vector through 64-bit extracts: a 32-byte
+        // store read back as 4-byte loads defeats store-to-load forwarding.
+        const __m256i slot =
+            _mm256_or_si256(_mm256_slli_epi32(bin, 3), lane_index);
+        const __m128i slot_lo = _mm256_castsi256_si128(slot);
+        const __m128i slot_hi = _mm256_extracti128_si256(slot, 1);
+        // (Named scalars, not an array: an array went through the stack.)
+        const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_lo));
+        const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(slot_lo, 1));
+        const auto p2 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_hi));
+        const auto p3 = static_cast<uint64_t>(_mm_extract_epi64(slot_hi, 1));
+        ++sub[static_cast<uint32_t>(p0)];
+        ++sub[p0 >> 32];
+        ++sub[static_cast<uint32_t>(p1)];
+        ++sub[p1 >> 32];
+        ++sub[static_cast<uint32_t>(p2)];
+        ++sub[p2 >> 32];
+        ++sub[static_cast<uint32_t>(p3)];
+        ++sub[p3 >> 32];
+      }
       if constexpr (kTail) {
         const __m256 abs_x = _mm256_castsi256_ps(abs_bits);
-        // Ordered compare: NaN lanes are false; Inf lanes are masked out.
-        int enter =
+        // Ordered compare: NaN lanes are false; Inf lanes are dropped below.
+        const int enter =
             _mm256_movemask_ps(_mm256_cmp_ps(abs_x, threshold, _CMP_GT_OQ));
-        enter &= ~bad_mask;
         if (enter != 0) [[unlikely]] {
           alignas(32) float values[8];
           _mm256_store_ps(values, abs_x);
           for (int lane = 0; lane < 8; ++lane) {
-            if ((enter >> lane) & 1) {
-              if (values[lane] > tail->threshold()) tail->Offer(values[lane]);
+            const float a = values[lane];
+            if (((enter >> lane) & 1) &&
+                a <= std::numeric_limits<float>::max() &&
+                a > tail->threshold()) {
+              tail->Offer(a);
             }
           }
           threshold = _mm256_set1_ps(tail->threshold());
@@ -231,90 +349,121 @@ __attribute__((flatten)) void Avx2Runs(const void* data, size_t runs,
       }
     }
   };
-  // Adds the values [p, p + 8 * vectors) with the vector code.
-  auto add_vectors = [&](const unsigned char* p, size_t vectors) {
-    size_t v = 0;
-    for (; v + 2 <= vectors; v += 2, p += 16 * kSize) {
-      add_vector(p, even);
-      add_vector(p + 8 * kSize, odd);
+  // One block of head h: `pairs` pairs of vectors at p, then one more
+  // vector when `single`.
+  auto block = [&](const unsigned char* p, size_t pairs, bool single,
+                   size_t h) {
+    HeadState& s = states[h];
+    uint32_t* const sub = kHistogram ? subs + h * head_counters : nullptr;
+    TailKeeper* const tail = accs[h].tail;
+    const uint64_t vectors = 2 * pairs + (single ? 1 : 0);
+    if constexpr (kHistogram) {
+      if (s.since_flush + vectors > kFlushEveryVectors) flush(h);
+      s.since_flush += vectors;
     }
-    if (v < vectors) add_vector(p, even);
+    __m256 threshold = _mm256_set1_ps(kTail ? tail->threshold() : 0.0f);
+    Lanes even = s.even, odd = s.odd;
+    const unsigned char* q = p;
+    for (size_t k = 0; k < pairs; ++k, q += 16 * kSize) {
+      __m256 a, b;
+      Load16<kDType>(q, a, b);
+      add_fast(a, even, sub, tail, threshold);
+      // With histograms the counting, not the latency of the sums, bounds
+      // the loop: one set of accumulators leaves registers to the rest.
+      add_fast(b, kHistogram ? even : odd, sub, tail, threshold);
+    }
+    if (single) add_fast(Load8<kDType>(q), even, sub, tail, threshold);
+    if (SumsNonFinite(even, odd)) [[unlikely]] {
+      RedoBlockCarefully<kDType>(p, pairs, single, s, sub, overflow);
+    } else {
+      s.even = even;
+      s.odd = odd;
+    }
+    s.vector_values += 8 * vectors;
   };
 
-  const size_t vectors_per_run = length / 8;
-  const size_t rest = length - 8 * vectors_per_run;
-  const size_t stride_bytes = stride * kSize;
-  const size_t run_bytes = length * kSize;
-  // Strided runs (TOKENS_HEADS_DIM: one head's head_dim values per token)
-  // defeat the hardware prefetcher; fetch kPrefetchRuns runs ahead. Measured
-  // on [2048, 8, 128] bf16: 1.6x without histograms, 1.6x with.
-  const bool prefetch = stride != length && run_bytes <= kMaxPrefetchBytes;
-  constexpr size_t kSegmentVectors = size_t{1} << 24;
-  for (size_t r = 0; r < runs; ++r) {
-    const unsigned char* p = base + r * stride_bytes;
-    if (prefetch && r + kPrefetchRuns < runs) {
-      const unsigned char* ahead = p + kPrefetchRuns * stride_bytes;
-      for (size_t off = 0; off < run_bytes; off += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+  const size_t pairs_per_run = length / 16;
+  const bool single = (length / 8) % 2 != 0;
+  const size_t rest = length % 8;
+  const RowsFn scalar = ScalarRowsFn(kDType);
+  for (size_t r = 0; r < rows; ++r) {
+    const unsigned char* row = base + r * stride_bytes;
+    for (size_t h = 0; h < heads; ++h) {
+      const unsigned char* p = row + h * length * kSize;
+      size_t done = 0;
+      do {
+        const size_t n = std::min(pairs_per_run - done, kBlockPairs);
+        const bool last = done + n == pairs_per_run;
+        block(p + done * 16 * kSize, n, last && single, h);
+        done += n;
+      } while (done < pairs_per_run);
+      if (rest != 0) {
+        scalar(p + (length - rest) * kSize, 1, rest, 1, rest, &accs[h]);
       }
-    }
-    for (size_t done = 0; done < vectors_per_run;) {
-      const size_t n = std::min(vectors_per_run - done, kSegmentVectors);
-      if constexpr (kHistogram) {
-        if (since_flush + 8 * n > kFlushEvery) flush();
-        since_flush += 8 * n;
-      }
-      add_vectors(p + done * 8 * kSize, n);
-      done += n;
-    }
-    vector_values += 8 * vectors_per_run;
-    if (rest != 0) {
-      ScalarRunFn(kDType)(p + 8 * vectors_per_run * kSize, 1, rest, rest, acc);
     }
   }
-  flush();
 
-  const __m256 vmin = _mm256_min_ps(even.vmin, odd.vmin);
-  const __m256 vmax = _mm256_max_ps(even.vmax, odd.vmax);
-  const __m256d sum0 = _mm256_add_pd(even.sum0, odd.sum0);
-  const __m256d sum1 = _mm256_add_pd(even.sum1, odd.sum1);
-  const __m256d sq0 = _mm256_add_pd(even.sq0, odd.sq0);
-  const __m256d sq1 = _mm256_add_pd(even.sq1, odd.sq1);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmin);
-  float mn = acc.min;
-  for (float v : lanes) mn = std::min(mn, v);
-  _mm256_store_ps(lanes, vmax);
-  float mx = acc.max;
-  for (float v : lanes) mx = std::max(mx, v);
-  alignas(32) double d[4];
-  _mm256_store_pd(d, _mm256_add_pd(sum0, sum1));
-  const double sum = (d[0] + d[1]) + (d[2] + d[3]);
-  _mm256_store_pd(d, _mm256_add_pd(sq0, sq1));
-  const double sum_squares = (d[0] + d[1]) + (d[2] + d[3]);
+  for (size_t h = 0; h < heads; ++h) {
+    flush(h);
+    const HeadState& s = states[h];
+    RunAccumulator& acc = accs[h];
+    // min and max see -0.0 as +0.0 (element_math.h CanonicalZero).
+    const float mn =
+        CanonicalZero(HorizontalMin(_mm256_min_ps(s.even.vmin, s.odd.vmin)));
+    const float mx =
+        CanonicalZero(HorizontalMax(_mm256_max_ps(s.even.vmax, s.odd.vmax)));
+    acc.min = std::min(acc.min, mn);
+    acc.max = std::max(acc.max, mx);
+    acc.finite += s.vector_values - s.nonfinite;
+    acc.nan += s.nan;
+    acc.inf += s.nonfinite - s.nan;
+    acc.sum += HorizontalSum(_mm256_add_pd(s.even.sum0, s.odd.sum0),
+                             _mm256_add_pd(s.even.sum1, s.odd.sum1));
+    acc.sum_squares += HorizontalSum(_mm256_add_pd(s.even.sq0, s.odd.sq0),
+                                     _mm256_add_pd(s.even.sq1, s.odd.sq1));
+  }
+}
 
-  acc.min = mn;
-  acc.max = mx;
-  acc.finite += vector_values - nonfinite;
-  acc.nan += nan;
-  acc.inf += nonfinite - nan;
-  acc.sum += sum;
-  acc.sum_squares += sum_squares;
-}  // namespace kvcal::cpu
+template <DType kDType, bool kHistogram, bool kTail>
+void Avx2Rows(const void* data, size_t rows, size_t stride, size_t heads,
+              size_t length, RunAccumulator* accs) {
+  constexpr size_t kSize = kDType == DType::kF32 ? 4 : 2;
+  if (length < 8) {
+    return ScalarRowsFn(kDType)(data, rows, stride, heads, length, accs);
+  }
+  size_t group = heads;
+  if constexpr (kHistogram) {
+    const size_t head_bytes =
+        static_cast<size_t>(HistogramBinCount(accs[0].log2_bins_per_octave)) *
+        8 * sizeof(uint32_t);
+    group = std::max<size_t>(1, kSubHistogramBudget / head_bytes);
+  }
+  const auto* base = static_cast<const unsigned char*>(data);
+  for (size_t h = 0; h < heads; h += group) {
+    Avx2RowsGroup<kDType, kHistogram, kTail>(
+        base + h * length * kSize, rows, stride * kSize,
+        std::min(group, heads - h), length, accs + h);
+  }
+}
 
 template <DType kDType>
-void Avx2Dispatch(const void* data, size_t runs, size_t length, size_t stride,
-                  RunAccumulator& acc) {
-  if (acc.histogram != nullptr) {
-    if (acc.tail != nullptr) {
-      return Avx2Runs<kDType, true, true>(data, runs, length, stride, acc);
+void Avx2Dispatch(const void* data, size_t rows, size_t stride, size_t heads,
+                  size_t length, RunAccumulator* accs) {
+  if (rows == 0 || heads == 0 || length == 0) return;
+  if (accs[0].histogram != nullptr) {
+    if (accs[0].tail != nullptr) {
+      return Avx2Rows<kDType, true, true>(data, rows, stride, heads, length,
+                                          accs);
     }
-    return Avx2Runs<kDType, true, false>(data, runs, length, stride, acc);
+    return Avx2Rows<kDType, true, false>(data, rows, stride, heads, length,
+                                         accs);
   }
-  if (acc.tail != nullptr) {
-    return Avx2Runs<kDType, false, true>(data, runs, length, stride, acc);
+  if (accs[0].tail != nullptr) {
+    return Avx2Rows<kDType, false, true>(data, rows, stride, heads, length,
+                                         accs);
   }
-  return Avx2Runs<kDType, false, false>(data, runs, length, stride, acc);
+  return Avx2Rows<kDType, false, false>(data, rows, stride, heads, length,
+                                        accs);
 }
 
 // F16C is read from CPUID (leaf 1, ECX bit 29): clang's
@@ -332,7 +481,7 @@ bool CpuHasAvx2() {
 
 }  // namespace
 
-RunFn Avx2RunFn(DType dtype) {
+RowsFn Avx2RowsFn(DType dtype) {
   if (!CpuHasAvx2()) return nullptr;
   switch (dtype) {
     case DType::kF32:
@@ -350,7 +499,7 @@ RunFn Avx2RunFn(DType dtype) {
 #else  // no AVX2 in this build
 
 namespace kvcal::cpu {
-RunFn Avx2RunFn(DType) { return nullptr; }
+RowsFn Avx2RowsFn(DType) { return nullptr; }
 }  // namespace kvcal::cpu
 
 #endif

@@ -87,32 +87,34 @@ void ScalarRun(const void* data, size_t n, RunAccumulator& acc) {
 }
 
 template <DType kDType>
-void ScalarRuns(const void* data, size_t runs, size_t length, size_t stride,
-                RunAccumulator& acc) {
+void ScalarRows(const void* data, size_t rows, size_t stride, size_t heads,
+                size_t length, RunAccumulator* accs) {
   const auto* p = static_cast<const unsigned char*>(data);
-  const size_t stride_bytes = stride * DTypeSize(kDType);
-  for (size_t r = 0; r < runs; ++r) {
-    ScalarRun<kDType>(p + r * stride_bytes, length, acc);
+  constexpr size_t kSize = kDType == DType::kF32 ? 4 : 2;
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t h = 0; h < heads; ++h) {
+      ScalarRun<kDType>(p + (r * stride + h * length) * kSize, length, accs[h]);
+    }
   }
 }
 
 }  // namespace
 
-RunFn ScalarRunFn(DType dtype) {
+RowsFn ScalarRowsFn(DType dtype) {
   switch (dtype) {
     case DType::kF32:
-      return &ScalarRuns<DType::kF32>;
+      return &ScalarRows<DType::kF32>;
     case DType::kF16:
-      return &ScalarRuns<DType::kF16>;
+      return &ScalarRows<DType::kF16>;
     case DType::kBf16:
-      return &ScalarRuns<DType::kBf16>;
+      return &ScalarRows<DType::kBf16>;
   }
   return nullptr;
 }
 
-RunFn BestRunFn(DType dtype) {
-  RunFn fn = Avx2RunFn(dtype);
-  return fn != nullptr ? fn : ScalarRunFn(dtype);
+RowsFn BestRowsFn(DType dtype) {
+  RowsFn fn = Avx2RowsFn(dtype);
+  return fn != nullptr ? fn : ScalarRowsFn(dtype);
 }
 
 }  // namespace kvcal::cpu
