@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -26,15 +27,18 @@ namespace kvcal::testing {
 
 class WorkerProcess {
  public:
-  explicit WorkerProcess(std::vector<std::string> extra_args = {}) {
+  // `listen` is host:port; port 0 picks a free one (a restarted worker can
+  // take the port of the one it replaces).
+  explicit WorkerProcess(std::vector<std::string> extra_args = {},
+                         std::string listen = "127.0.0.1:0") {
     dir_ = std::filesystem::temp_directory_path() /
            ("kvcal-worker-test-" + std::to_string(getpid()) + "-" +
             std::to_string(counter_++));
     std::filesystem::create_directories(dir_);
     const std::string port_file = (dir_ / "port").string();
     const std::string log_file = (dir_ / "worker.log").string();
-    std::vector<std::string> args = {KVCAL_WORKER_PATH, "--listen",
-                                     "127.0.0.1:0", "--port-file", port_file};
+    std::vector<std::string> args = {KVCAL_WORKER_PATH, "--listen", listen,
+                                     "--port-file", port_file};
     if (std::find(extra_args.begin(), extra_args.end(), "--backend") ==
         extra_args.end()) {
       args.push_back("--backend");
