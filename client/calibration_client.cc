@@ -1,10 +1,17 @@
 #include "client/calibration_client.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <map>
+#include <set>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kernels/status_macros.h"
@@ -23,6 +30,51 @@ void AddCounters(const v1::Session& from, v1::Session& to) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<std::string>> ExpandEndpoint(
+    absl::string_view endpoint) {
+  constexpr absl::string_view kDns = "dns:///";
+  if (!absl::StartsWith(endpoint, kDns))
+    return std::vector<std::string>{std::string(endpoint)};
+  const absl::string_view target = endpoint.substr(kDns.size());
+  const size_t colon = target.rfind(':');
+  if (colon == absl::string_view::npos || colon == 0 ||
+      colon + 1 == target.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", endpoint, "' must be dns:///host:port"));
+  }
+  const std::string host(target.substr(0, colon));
+  const std::string port(target.substr(colon + 1));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
+      rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve ", host, ": ", gai_strerror(rc)));
+  }
+  std::set<std::string> addresses;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* raw =
+        a->ai_family == AF_INET
+            ? static_cast<const void*>(
+                  &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr)
+            : static_cast<const void*>(
+                  &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
+    if (inet_ntop(a->ai_family, raw, text, sizeof(text)) == nullptr) continue;
+    addresses.insert(a->ai_family == AF_INET6
+                         ? absl::StrCat("[", text, "]:", port)
+                         : absl::StrCat(text, ":", port));
+  }
+  freeaddrinfo(found);
+  if (addresses.empty()) {
+    return absl::UnavailableError(absl::StrCat(host, " has no addresses"));
+  }
+  // Sorted, so every client that resolves the same set shards alike.
+  return std::vector<std::string>(addresses.begin(), addresses.end());
+}
 
 size_t CalibrationClient::WorkerFor(absl::string_view session_id,
                                     uint32_t layer, size_t workers) {
@@ -43,12 +95,16 @@ absl::StatusOr<CalibrationClient> CalibrationClient::Connect(
   client.options_ = std::move(options);
   for (const std::string& list : endpoints) {
     for (absl::string_view e : absl::StrSplit(list, ',', absl::SkipEmpty())) {
-      Worker w;
-      w.endpoint = std::string(e);
-      KVCAL_ASSIGN_OR_RETURN(w.channel,
-                             MakeChannel(w.endpoint, client.options_));
-      w.stub = v1::Calibration::NewStub(w.channel);
-      client.workers_.push_back(std::move(w));
+      KVCAL_ASSIGN_OR_RETURN(std::vector<std::string> expanded,
+                             ExpandEndpoint(e));
+      for (std::string& endpoint : expanded) {
+        Worker w;
+        w.endpoint = std::move(endpoint);
+        KVCAL_ASSIGN_OR_RETURN(w.channel,
+                               MakeChannel(w.endpoint, client.options_));
+        w.stub = v1::Calibration::NewStub(w.channel);
+        client.workers_.push_back(std::move(w));
+      }
     }
   }
   if (client.workers_.empty()) {

@@ -29,6 +29,12 @@
 
 namespace kvcal {
 
+// "dns:///host:port" becomes every address host resolves to, sorted (a
+// Kubernetes headless Service names every worker pod this way); any other
+// endpoint is returned as it is.
+absl::StatusOr<std::vector<std::string>> ExpandEndpoint(
+    absl::string_view endpoint);
+
 class CalibrationClient {
  public:
   // Endpoints are host:port; "a:1,b:2" lists are split here too.

@@ -149,3 +149,30 @@ TEST(CliNamesTest, ParsesObserversGranularitiesFormats) {
 
 }  // namespace
 }  // namespace kvcal
+
+namespace kvcal {
+namespace {
+
+TEST(ExpandEndpointTest, DnsNamesBecomeEveryAddressSorted) {
+  auto plain = ExpandEndpoint("worker-0:50051");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_THAT(*plain, ::testing::ElementsAre("worker-0:50051"));
+  auto numeric = ExpandEndpoint("dns:///127.0.0.1:7000");
+  ASSERT_TRUE(numeric.ok()) << numeric.status();
+  EXPECT_THAT(*numeric, ::testing::ElementsAre("127.0.0.1:7000"));
+  auto v6 = ExpandEndpoint("dns:///::1:7000");
+  ASSERT_TRUE(v6.ok()) << v6.status();
+  EXPECT_THAT(*v6, ::testing::ElementsAre("[::1]:7000"));
+  // localhost may resolve to 127.0.0.1 and ::1: each address once, sorted.
+  auto local = ExpandEndpoint("dns:///localhost:7000");
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_TRUE(std::is_sorted(local->begin(), local->end()));
+  EXPECT_THAT(*local, ::testing::Contains("127.0.0.1:7000"));
+  EXPECT_EQ(ExpandEndpoint("dns:///no-port").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExpandEndpoint("dns:///host.invalid.:7000").status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace kvcal
