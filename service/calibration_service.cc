@@ -227,6 +227,11 @@ bool CalibrationService::InflightBelowLimit() const {
 // The first error is sent after the responses of the chunks before it.
 class IngestReactor final
     : public grpc::ServerBidiReactor<pb::IngestRequest, pb::IngestResponse> {
+  // Responses produced but not yet sent; beyond this the stream stops
+  // reading, so a client that never reads its acks is slowed by gRPC flow
+  // control instead of growing the worker's queue.
+  static constexpr size_t kMaxUnsentResponses = 64;
+
  public:
   IngestReactor(CalibrationService* service,
                 grpc::CallbackServerContext* context)
@@ -282,6 +287,7 @@ class IngestReactor final
       }
     }
     StartNextWrite();
+    StartNextRead();  // reads pause while responses pile up
     MaybeFinish();
   }
 
@@ -365,6 +371,9 @@ class IngestReactor final
       if (static_cast<int>(pending_.size()) >=
           service_->options_.max_pending_per_stream) {
         return;  // resumed by ApplyLoop
+      }
+      if (writes_.size() >= kMaxUnsentResponses) {
+        return;  // a client that stops reading acks stops being read
       }
       if (!pending_.empty() && !service_->InflightBelowLimit()) {
         const int64_t now = std::chrono::duration_cast<std::chrono::seconds>(
