@@ -356,6 +356,9 @@ void RunProducer(const std::string& address, const std::string& session,
   auto channel = OwnChannel(address);
   auto stub = pb::Calibration::NewStub(channel);
   grpc::ClientContext context;
+  // 32 channels connect at once on a loaded machine: wait for the
+  // connection instead of failing fast on a transient connect error.
+  context.set_wait_for_ready(true);
   auto stream = stub->Ingest(&context);
   constexpr uint64_t kWindow = 16;
   std::mutex mu;
@@ -403,7 +406,9 @@ void RunProducer(const std::string& address, const std::string& session,
   out->acked = acked;
   out->bytes = bytes;
   if (!error.empty()) {
-    out->error = error;
+    out->error = error + "; stream status " +
+                 std::to_string(status.error_code()) + ": " +
+                 status.error_message();
   } else if (!status.ok()) {
     out->error = "stream status " + std::to_string(status.error_code()) + ": " +
                  status.error_message();
