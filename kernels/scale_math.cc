@@ -119,8 +119,8 @@ absl::Status ScaleOptions::Validate() const {
     return absl::InvalidArgumentError("mse_grid must be >= 1");
   }
   if (!(mse_max_shrink > 0.0f && mse_max_shrink < 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mse_max_shrink must be in (0, 1), got ", mse_max_shrink));
+    return absl::InvalidArgumentError(
+        absl::StrCat("mse_max_shrink must be in (0, 1), got ", mse_max_shrink));
   }
   if (!(mse_norm > 0.0f) || !std::isfinite(mse_norm)) {
     return absl::InvalidArgumentError(
@@ -236,8 +236,7 @@ float PercentileRange(std::span<const HeadStatistics* const> heads,
   for (uint32_t bin = 0; bin < bins; ++bin) {
     for (const HeadStatistics* h : heads) cumulative += h->histogram[bin];
     if (cumulative >= k) {
-      return std::min(HistogramBinUpperEdge(bin, log2_bins_per_octave),
-                      absmax);
+      return std::min(HistogramBinUpperEdge(bin, log2_bins_per_octave), absmax);
     }
   }
   return absmax;
@@ -281,8 +280,8 @@ float MseRange(std::span<const HeadStatistics* const> heads,
       centre = 0.5f * (HistogramBinLowerEdge(bin, log2_bins_per_octave) +
                        HistogramBinUpperEdge(bin, log2_bins_per_octave));
     }
-    points.push_back({std::min(centre, absmax),
-                      static_cast<double>(residual[bin])});
+    points.push_back(
+        {std::min(centre, absmax), static_cast<double>(residual[bin])});
   }
 
   const double norm = options.mse_norm;
@@ -296,9 +295,8 @@ float MseRange(std::span<const HeadStatistics* const> heads,
     const float scale = ScaleFromRange(range, 1.0f, options.format);
     double error = 0.0;
     for (const Point& point : points) {
-      const float diff =
-          std::fabs(FakeQuantize(point.value, scale, options.format) -
-                    point.value);
+      const float diff = std::fabs(
+          FakeQuantize(point.value, scale, options.format) - point.value);
       if (diff != 0.0f) error += point.weight * std::pow(double{diff}, norm);
     }
     if (error < best) {
@@ -339,10 +337,10 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
   if ((options.observer == Observer::kMse ||
        options.observer == Observer::kPercentile) &&
       !g.has_histograms()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "observer ", ObserverName(options.observer),
-        " needs histograms; this session was created with "
-        "histogram_bins_per_octave = 0"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("observer ", ObserverName(options.observer),
+                     " needs histograms; this session was created with "
+                     "histogram_bins_per_octave = 0"));
   }
   if (stats.finite_values() == 0) {
     return absl::FailedPreconditionError(
@@ -359,9 +357,9 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
     selected.erase(std::unique(selected.begin(), selected.end()),
                    selected.end());
     if (selected.back() >= g.num_layers) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layer ", selected.back(), " is out of range: the session has ",
-                       g.num_layers, " layers"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", selected.back(), " is out of range: the session has ",
+          g.num_layers, " layers"));
     }
   }
   std::vector<std::string> missing;
@@ -371,7 +369,8 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
       for (uint32_t head = 0; head < g.heads(role); ++head) {
         if (stats.head(layer, role, head).finite_count != 0) continue;
         ++missing_count;
-        if (missing.size() < 20) missing.push_back(TripleName(layer, role, head));
+        if (missing.size() < 20)
+          missing.push_back(TripleName(layer, role, head));
       }
     }
   }
@@ -411,7 +410,8 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
     if (!any_missing) {
       if (options.granularity == Granularity::kPerTensor) {
         const float range = ObserverRange(all, options, log2_bins);
-        out.scale.push_back(ScaleFromRange(range, options.margin, options.format));
+        out.scale.push_back(
+            ScaleFromRange(range, options.margin, options.format));
         out.absmax.push_back(StaticAbsmax(all));
       } else {
         for (uint32_t h = 0; h < heads; ++h) {

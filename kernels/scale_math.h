@@ -23,10 +23,10 @@
 #include <cstdint>
 #include <optional>
 #include <span>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/statistics.h"
 
 namespace kvcal {

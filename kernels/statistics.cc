@@ -97,10 +97,9 @@ void SessionStatistics::Reset() {
 
 absl::Status SessionStatistics::Merge(const SessionStatistics& other) {
   if (!(other.geometry_ == geometry_)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot merge statistics of geometry {",
-                     other.geometry_.DebugString(), "} into {",
-                     geometry_.DebugString(), "}"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot merge statistics of geometry {", other.geometry_.DebugString(),
+        "} into {", geometry_.DebugString(), "}"));
   }
   for (size_t i = 0; i < heads_.size(); ++i) heads_[i].Merge(other.heads_[i]);
   return absl::OkStatus();
@@ -236,9 +235,9 @@ absl::StatusOr<SessionStatistics> SessionStatistics::Deserialize(
         "statistics state does not start with the KVCS magic");
   }
   if (version != kVersion) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "statistics state has version ", version, "; this build reads ",
-        kVersion));
+    return absl::InvalidArgumentError(
+        absl::StrCat("statistics state has version ", version,
+                     "; this build reads ", kVersion));
   }
   if (Fnv1a64(body) != checksum) {
     return absl::InvalidArgumentError(
