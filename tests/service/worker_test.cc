@@ -128,6 +128,28 @@ std::vector<pb::IngestRequest> Numbered(std::vector<pb::IngestRequest> chunks,
   return chunks;
 }
 
+pb::Session GetSession(pb::Calibration::Stub* stub, const std::string& id,
+                       grpc::Status* status) {
+  grpc::ClientContext context;
+  pb::GetSessionRequest request;
+  request.set_session_id(id);
+  pb::Session session;
+  *status = stub->GetSession(&context, request, &session);
+  return session;
+}
+
+// The session's serialized statistics (ExportState must succeed).
+std::string ExportStatistics(pb::Calibration::Stub* stub,
+                             const std::string& id) {
+  grpc::ClientContext context;
+  pb::ExportStateRequest request;
+  request.set_session_id(id);
+  pb::SessionState state;
+  grpc::Status status = stub->ExportState(&context, request, &state);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return state.statistics();
+}
+
 class WorkerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -145,21 +167,12 @@ class WorkerTest : public ::testing::Test {
   }
 
   std::string Export(const std::string& id) {
-    grpc::ClientContext context;
-    pb::ExportStateRequest request;
-    request.set_session_id(id);
-    pb::SessionState state;
-    grpc::Status status = stub_->ExportState(&context, request, &state);
-    EXPECT_TRUE(status.ok()) << status.error_message();
-    return state.statistics();
+    return ExportStatistics(stub_.get(), id);
   }
 
   pb::Session Get(const std::string& id) {
-    grpc::ClientContext context;
-    pb::GetSessionRequest request;
-    request.set_session_id(id);
-    pb::Session session;
-    grpc::Status status = stub_->GetSession(&context, request, &session);
+    grpc::Status status;
+    pb::Session session = GetSession(stub_.get(), id, &status);
     EXPECT_TRUE(status.ok()) << status.error_message();
     return session;
   }
@@ -987,26 +1000,6 @@ class DurableTest : public ::testing::Test {
         std::to_string(interval_ms)});
     EXPECT_TRUE(worker->ok()) << worker->error();
     return worker;
-  }
-
-  static pb::Session GetSession(pb::Calibration::Stub* stub,
-                                const std::string& id, grpc::Status* status) {
-    grpc::ClientContext context;
-    pb::GetSessionRequest request;
-    request.set_session_id(id);
-    pb::Session session;
-    *status = stub->GetSession(&context, request, &session);
-    return session;
-  }
-
-  static std::string ExportStatistics(pb::Calibration::Stub* stub,
-                                      const std::string& id) {
-    grpc::ClientContext context;
-    pb::ExportStateRequest request;
-    request.set_session_id(id);
-    pb::SessionState state;
-    EXPECT_TRUE(stub->ExportState(&context, request, &state).ok());
-    return state.statistics();
   }
 
   // Polls until the producer's durable sequence reaches `sequence`.
