@@ -256,7 +256,10 @@ class IngestReactor final
     {
       std::lock_guard<std::mutex> lock(mu_);
       reading_ = false;
-      if (!ok || failed_) {
+      if (!ok || failed_ || finished_) {
+        // After Finish (a drain finishes with a read still outstanding) a
+        // chunk that arrives anyway is dropped unapplied and unanswered:
+        // the client resumes from the watermark.
         read_closed_ = true;
         read_buffer_.reset();
       } else {
@@ -270,7 +273,13 @@ class IngestReactor final
         }
       }
     }
-    if (schedule) service_->executor_.Schedule([this] { ApplyLoop(); });
+    if (schedule) {
+      Ref();  // ApplyLoop's own reference: the reactor outlives the loop
+      service_->executor_.Schedule([this] {
+        ApplyLoop();
+        Unref();
+      });
+    }
     StartNextRead();
     MaybeFinish();
   }
@@ -319,7 +328,8 @@ class IngestReactor final
   }
 
   // gRPC holds one reference until OnDone; DrainStreams holds one while it
-  // drains a stream outside its lock.
+  // drains a stream outside its lock; a scheduled ApplyLoop holds one until
+  // it returns.
   void Ref() { refs_.fetch_add(1); }
   void Unref() {
     if (refs_.fetch_sub(1) == 1) delete this;

@@ -11,6 +11,8 @@
 #include <iostream>
 
 #include "CLI/CLI.hpp"
+#include "absl/debugging/failure_signal_handler.h"
+#include "absl/debugging/symbolize.h"
 #include "absl/strings/str_cat.h"
 #include "service/log.h"
 #include "service/worker.h"
@@ -33,6 +35,10 @@ bool WritePortFile(const std::string& path, int port) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A crash prints its signal and a symbolized stack trace to stderr before
+  // the process dies, so a worker log says where it went wrong.
+  absl::InitializeSymbolizer(argv[0]);
+  absl::InstallFailureSignalHandler(absl::FailureSignalHandlerOptions());
   kvcal::service::WorkerOptions options;
   std::string backend = "auto";
   std::string port_file;

@@ -49,9 +49,10 @@ def test_resume_after_worker_restart(make_worker, worker, how):
     client = kvcal.Client(w.target)
     client.create_session(geometry=GEOMETRY, session_id="resume")
     restarted = threading.Event()
+    stopped = []
 
     def restart_worker():
-        w.stop(how)
+        stopped.append((w.stop(how), w.log()))
         time.sleep(0.3)  # the producer keeps putting and retrying meanwhile
         w.start()
         restarted.set()
@@ -76,7 +77,9 @@ def test_resume_after_worker_restart(make_worker, worker, how):
     else:
         # SIGTERM drains and saves: nothing acknowledged is lost (the worker
         # may have applied chunks whose responses the drain cut off).
-        assert all(mark >= acked for mark, acked in producer.resumes), producer.resumes
+        returncode, log = stopped[0]
+        assert returncode == 0, log
+        assert all(mark >= acked for mark, acked in producer.resumes), (producer.resumes, log)
     status = client.status()
     # Exactly once: the same chunk and value counts as the reference.
     assert status.values_ingested == want_status.values_ingested

@@ -3,6 +3,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include <thread>
 
 #include "gmock/gmock.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/scale_math.h"
@@ -1085,6 +1087,62 @@ TEST_F(DurableTest, SigtermWritesStateAndDeleteRemovesIt) {
   EXPECT_EQ(GetSession(stub.get(), "kept", &status).chunks_applied(), 6u);
   GetSession(stub.get(), "dropped", &status);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// SIGTERM while a producer keeps writing: the drain finishes the stream with
+// a read still outstanding, and chunks keep arriving. Nothing acknowledged
+// may be lost and the worker must exit 0 (a chunk read after the stream
+// finished once was applied by a reactor gRPC had already deleted).
+TEST_F(DurableTest, SigtermMidStreamKeepsEverythingAcknowledged) {
+  const auto chunks = Numbered(Workload("s", 400, 8), "p");
+  for (int round = 0; round < 20; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    std::filesystem::remove_all(dir_ / "state");
+    uint64_t acknowledged = 0;
+    {
+      auto worker = StartWorker(3600000);
+      auto stub = pb::Calibration::NewStub(worker->Channel());
+      CreateOn(stub.get(), "s");
+      grpc::ClientContext context;
+      auto stream = stub->Ingest(&context);
+      std::atomic<uint64_t> acked{0};
+      std::thread reader([&] {
+        pb::IngestResponse response;
+        while (stream->Read(&response)) acked = response.watermark();
+      });
+      std::thread writer([&] {
+        for (const pb::IngestRequest& chunk : chunks) {
+          if (!stream->Write(chunk)) return;
+        }
+        stream->WritesDone();
+      });
+      // Signal once the worker is well into the stream, at a different point
+      // each round.
+      const auto deadline =
+          std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (acked.load() < 50u + 97u * static_cast<uint64_t>(round) &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+      }
+      const int exit = worker->SignalAndWait(SIGTERM, std::chrono::seconds(30));
+      writer.join();
+      reader.join();
+      stream->Finish();
+      acknowledged = acked.load();
+      ASSERT_GT(acknowledged, 0u);
+      ASSERT_TRUE(WIFEXITED(exit) && WEXITSTATUS(exit) == 0)
+          << "exit status " << exit << "\n"
+          << worker->ReadLog();
+    }
+    auto worker = StartWorker(3600000);
+    auto stub = pb::Calibration::NewStub(worker->Channel());
+    grpc::Status status;
+    pb::Session restored = GetSession(stub.get(), "s", &status);
+    ASSERT_TRUE(status.ok()) << status.error_message() << worker->ReadLog();
+    ASSERT_EQ(restored.producers_size(), 1);
+    EXPECT_GE(restored.producers(0).sequence(), acknowledged);
+    EXPECT_EQ(restored.chunks_applied(), restored.producers(0).sequence());
+  }
 }
 
 TEST_F(DurableTest, CorruptStateIsMovedAsideAndTheWorkerStarts) {
