@@ -231,6 +231,10 @@ class IngestReactor final
   // reading, so a client that never reads its acks is slowed by gRPC flow
   // control instead of growing the worker's queue.
   static constexpr size_t kMaxUnsentResponses = 64;
+  // Applied requests kept for reuse by later reads, with data buffers of at
+  // most kMaxSpareBytes: a stream holds at most 2 x 8 MiB of them.
+  static constexpr size_t kMaxSpareRequests = 2;
+  static constexpr size_t kMaxSpareBytes = size_t{8} << 20;
 
  public:
   IngestReactor(CalibrationService* service,
@@ -400,7 +404,12 @@ class IngestReactor final
         }
         return;  // resumed by ApplyLoop once this stream's chunks drain
       }
-      read_buffer_ = std::make_unique<pb::IngestRequest>();
+      if (spare_.empty()) {
+        read_buffer_ = std::make_unique<pb::IngestRequest>();
+      } else {
+        read_buffer_ = std::move(spare_.back());
+        spare_.pop_back();
+      }
       target = read_buffer_.get();
       reading_ = true;
     }
@@ -450,6 +459,14 @@ class IngestReactor final
           pending_bytes_ -= bytes;
           service_->AddInflight(-bytes);
         }
+        if (spare_.size() < kMaxSpareRequests &&
+            request->data().capacity() <= kMaxSpareBytes) {
+          // Cleared, the message keeps its data buffer: the next read
+          // parses into it instead of allocating (and faulting in) a new
+          // one.
+          request->Clear();
+          spare_.push_back(std::move(request));
+        }
         if (response.ok()) {
           if (!failed_) writes_.push_back(*std::move(response));
         } else {
@@ -479,6 +496,7 @@ class IngestReactor final
   std::mutex mu_;
   std::unique_ptr<pb::IngestRequest> read_buffer_;
   std::deque<std::unique_ptr<pb::IngestRequest>> pending_;
+  std::vector<std::unique_ptr<pb::IngestRequest>> spare_;
   int64_t pending_bytes_ = 0;
   std::deque<pb::IngestResponse> writes_;  // front is being written
   bool reading_ = false;

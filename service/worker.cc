@@ -65,6 +65,8 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   ServiceOptions service_options;
   service_options.registry.session.backend = options.backend;
   service_options.registry.session.backend_options.device = options.device;
+  service_options.registry.session.backend_options.cpu_threads =
+      options.cpu_threads;
   service_options.registry.max_sessions = options.max_sessions;
   service_options.registry.memory_budget_bytes = options.memory_budget_bytes;
   service_options.registry.max_sessions_per_tenant =

@@ -27,6 +27,8 @@ struct WorkerOptions {
   std::string listen = "127.0.0.1:50051";
   BackendKind backend = BackendKind::kAuto;
   int device = 0;
+  // CPU backend: threads one chunk's statistics may use (0 = every core).
+  int cpu_threads = 0;
   int max_message_bytes = 64 << 20;
   uint64_t max_sessions = 0;
   uint64_t memory_budget_bytes = 0;

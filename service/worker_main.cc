@@ -53,6 +53,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device", options.device, "CUDA device ordinal")
       ->capture_default_str();
+  app.add_option("--cpu-threads", options.cpu_threads,
+                 "cpu backend: threads that one large chunk's statistics are "
+                 "split over (0 = every core)")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
   app.add_option("--max-message-bytes", options.max_message_bytes,
                  "largest gRPC message accepted")
       ->check(CLI::Range(1 << 16, 1 << 30))

@@ -3,8 +3,14 @@
 // anything, measured in the same run. Prints GB/s for both and the ratio.
 //
 //   kvcal_bench_ingest [--chunks N] [--streams 1,4] [--bins 16] [--backend cpu]
+//                      [--reps 3] [--cpu-threads 0]
+//
+// Each stream count runs `reps` rounds, sink then worker, each round into a
+// fresh session; the table gives the medians, their ratio and the range of
+// the per-round ratios.
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -106,6 +112,12 @@ std::string RandomBf16(size_t values, uint64_t seed) {
   return out;
 }
 
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
 // Streams `chunks` chunks over `streams` concurrent streams; returns seconds.
 double Run(const std::string& address, const std::string& session, int streams,
            int chunks, const std::vector<std::string>& payloads) {
@@ -164,6 +176,8 @@ int main(int argc, char** argv) {
   uint32_t bins = 16;
   std::vector<int> stream_counts = {1, 4};
   std::string backend = "cpu";
+  int cpu_threads = 0;
+  int reps = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const std::string value = argv[i + 1];
@@ -173,6 +187,11 @@ int main(int argc, char** argv) {
       (void)absl::SimpleAtoi(value, &bins);
     } else if (flag == "--backend") {
       backend = value;
+    } else if (flag == "--reps") {
+      (void)absl::SimpleAtoi(value, &reps);
+      reps = std::max(reps, 1);
+    } else if (flag == "--cpu-threads") {
+      (void)absl::SimpleAtoi(value, &cpu_threads);
     } else if (flag == "--streams") {
       stream_counts.clear();
       for (absl::string_view part : absl::StrSplit(value, ',')) {
@@ -185,6 +204,7 @@ int main(int argc, char** argv) {
   kvcal::service::WorkerOptions options;
   options.listen = "127.0.0.1:0";
   options.backend = *kvcal::ParseBackendKind(backend);
+  options.cpu_threads = cpu_threads;
   auto worker = kvcal::service::Worker::Start(options);
   if (!worker.ok()) {
     std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
@@ -213,31 +233,43 @@ int main(int argc, char** argv) {
       "backend %s, %u bins/octave, %u hardware threads\n",
       chunks, bytes_per_chunk / (1 << 20), backend.c_str(), bins,
       std::thread::hardware_concurrency());
-  std::printf("%-8s %14s %14s %8s\n", "streams", "worker GB/s", "sink GB/s",
-              "ratio");
+  std::printf("%-8s %14s %14s %8s   %s\n", "streams", "worker GB/s",
+              "sink GB/s", "ratio", "per-round ratios");
   int run = 0;
   for (int streams : stream_counts) {
-    // A fresh session per run so every chunk is applied, not a duplicate.
-    const std::string session = "bench-" + std::to_string(run++);
-    kvcal::Geometry geometry{kLayers, kHeads, kHeads, kHeadDim, bins, 0b111};
-    if (!(*worker)
-             ->service()
-             .registry()
-             .Create(kvcal::service::kDefaultTenant, session, geometry)
-             .ok()) {
-      std::fprintf(stderr, "cannot create session\n");
-      return 1;
-    }
     const int total = (chunks / streams) * streams;
-    // Warm-up on both, then the measured runs.
-    Run(sink_address, session, streams, streams * 2, payloads);
-    const double sink_seconds =
-        Run(sink_address, session, streams, total, payloads);
-    const double worker_seconds =
-        Run(worker_address, session, streams, total, payloads);
+    // Warm-up on the sink, then `reps` rounds that alternate sink and worker
+    // so that drifting machine load touches both alike; medians reported.
+    Run(sink_address, "warm-up", streams, streams * 2, payloads);
+    std::vector<double> sink_seconds, worker_seconds;
+    for (int rep = 0; rep < reps; ++rep) {
+      // A fresh session per run so every chunk is applied, not a duplicate.
+      const std::string session = "bench-" + std::to_string(run++);
+      kvcal::Geometry geometry{kLayers, kHeads, kHeads, kHeadDim, bins, 0b111};
+      if (!(*worker)
+               ->service()
+               .registry()
+               .Create(kvcal::service::kDefaultTenant, session, geometry)
+               .ok()) {
+        std::fprintf(stderr, "cannot create session\n");
+        return 1;
+      }
+      sink_seconds.push_back(
+          Run(sink_address, session, streams, total, payloads));
+      worker_seconds.push_back(
+          Run(worker_address, session, streams, total, payloads));
+    }
     const double gb = total * bytes_per_chunk / 1e9;
-    std::printf("%-8d %14.3f %14.3f %8.3f\n", streams, gb / worker_seconds,
-                gb / sink_seconds, sink_seconds / worker_seconds);
+    const double sink_median = Median(sink_seconds);
+    const double worker_median = Median(worker_seconds);
+    double low = 1e9, high = 0;
+    for (int rep = 0; rep < reps; ++rep) {
+      low = std::min(low, sink_seconds[rep] / worker_seconds[rep]);
+      high = std::max(high, sink_seconds[rep] / worker_seconds[rep]);
+    }
+    std::printf("%-8d %14.3f %14.3f %8.3f   %.3f..%.3f\n", streams,
+                gb / worker_median, gb / sink_median,
+                sink_median / worker_median, low, high);
   }
   sink->Shutdown();
   (*worker)->Shutdown(std::chrono::milliseconds(1000));
