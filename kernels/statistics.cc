@@ -270,6 +270,13 @@ absl::StatusOr<SessionStatistics> SessionStatistics::Deserialize(
     KVCAL_RETURN_IF_ERROR(r.Get(&h.inf_count, "inf count"));
     KVCAL_RETURN_IF_ERROR(r.Get(&h.sum, "sum"));
     KVCAL_RETURN_IF_ERROR(r.Get(&h.sum_squares, "sum of squares"));
+    // Sums of finite floats stay finite in double (|x|^2 < 2^256 per value),
+    // and no sum of squares is negative; anything else was not written here.
+    if (!std::isfinite(h.sum) || !std::isfinite(h.sum_squares) ||
+        h.sum_squares < 0.0 ||
+        (h.finite_count == 0 && (h.sum != 0.0 || h.sum_squares != 0.0))) {
+      return Corrupt(r.pos(), "sums not finite or inconsistent with the count");
+    }
     if (h.finite_count > 0) {
       if (IsNonFinite(h.min) || IsNonFinite(h.max) || h.min > h.max) {
         return Corrupt(r.pos(), "min/max inconsistent with a finite count");

@@ -51,7 +51,18 @@ grpc::ServerUnaryReactor* CalibrationService::Unary(
     Body body) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const Clock::time_point start = Clock::now();
-  unary_in_flight_.fetch_add(1);
+  {
+    // Once draining, new calls are refused: steady polling must not keep
+    // the in-flight count up and use up Shutdown's grace period.
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    if (draining_) {
+      metrics_.RecordReject(static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+      reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                   "the worker is shutting down"));
+      return reactor;
+    }
+    unary_in_flight_.fetch_add(1);
+  }
   auto run = [this, context, reactor, method, start,
               body = std::move(body)]() mutable {
     absl::StatusOr<std::string> tenant = Authorize(context);
@@ -247,8 +258,13 @@ class IngestReactor final
             : absl::UnavailableError("the worker is shutting down");
     if (!tenant.ok()) {
       service_->metrics_.RecordReject(static_cast<int>(tenant.status().code()));
-      finished_ = true;
-      Finish(ToGrpcStatus(tenant.status()));
+      // Through the one finish decision: a drain that started after
+      // RegisterStream may be finishing this stream concurrently.
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        Fail(ToGrpcStatus(tenant.status()), /*drop_writes=*/false);
+      }
+      MaybeFinish();
       return;
     }
     tenant_ = *std::move(tenant);

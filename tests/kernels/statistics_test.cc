@@ -184,6 +184,45 @@ TEST(StatisticsSerializationTest, ResealedCorruptionsNeverCrash) {
   }
 }
 
+// The first head's sums sit right after the 32-byte header and its min, max
+// and three counts: non-finite or negative sums, or sums on a head without
+// values, are rejected even with a valid checksum.
+TEST(StatisticsSerializationTest, ImpossibleSumsAreRejected) {
+  const Geometry g = MakeGeometry(1, 2, 1, 4, 16);
+  const std::string bytes = PopulatedState(g, 30, 8).Serialize();
+  constexpr size_t kSum = 32 + 4 + 4 + 8 + 8 + 8;
+  constexpr size_t kSumSquares = kSum + 8;
+  const double kBad[] = {std::numeric_limits<double>::quiet_NaN(),
+                         std::numeric_limits<double>::infinity(),
+                         -std::numeric_limits<double>::infinity()};
+  for (size_t offset : {kSum, kSumSquares}) {
+    for (double bad : kBad) {
+      std::string corrupt = bytes;
+      std::memcpy(corrupt.data() + offset, &bad, 8);
+      ResealChecksum(&corrupt);
+      EXPECT_THAT(SessionStatistics::Deserialize(corrupt),
+                  StatusIs(absl::StatusCode::kInvalidArgument,
+                           HasSubstr("sums not finite")))
+          << "offset " << offset << " value " << bad;
+    }
+  }
+  std::string negative = bytes;
+  const double minus_one = -1.0;
+  std::memcpy(negative.data() + kSumSquares, &minus_one, 8);
+  ResealChecksum(&negative);
+  EXPECT_THAT(SessionStatistics::Deserialize(negative),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("sums not finite")));
+  // An empty state with a sum on its first head.
+  std::string empty = SessionStatistics(g).Serialize();
+  const double one = 1.0;
+  std::memcpy(empty.data() + kSum, &one, 8);
+  ResealChecksum(&empty);
+  EXPECT_THAT(SessionStatistics::Deserialize(empty),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("inconsistent with the count")));
+}
+
 TEST(StatisticsSerializationTest, HugeGeometryWithFewBytesIsRejected) {
   std::string bytes;
   auto put = [&bytes](uint32_t v) {

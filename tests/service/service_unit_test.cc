@@ -1,10 +1,18 @@
-// Unit tests of the worker's pieces that need no server: token parsing,
-// session ids, the registry's limits, proto conversion defaults.
+// Unit tests of the worker's pieces: token parsing, session ids, the
+// registry's limits, proto conversion defaults, and an in-process worker's
+// drain.
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <string>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvcal/v1/calibration.grpc.pb.h"
 #include "service/auth.h"
 #include "service/proto_convert.h"
 #include "service/session_registry.h"
+#include "service/worker.h"
 
 namespace kvcal::service {
 namespace {
@@ -119,6 +127,53 @@ TEST(ProtoConvertTest, FinalizeDefaultsAndRanges) {
   request.set_format(static_cast<kvcal::v1::Format>(5));
   EXPECT_THAT(std::string(ScaleOptionsFromProto(request).status().message()),
               HasSubstr("format"));
+}
+
+// Once SIGTERM's drain has begun, new calls get UNAVAILABLE at once: clients
+// polling GetSession cannot keep the worker in its grace period, and a new
+// Ingest stream is not accepted.
+TEST(WorkerDrainTest, NewCallsAreRefusedOnceDraining) {
+  WorkerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.backend = BackendKind::kCpu;
+  options.executor_threads = 2;
+  auto worker = Worker::Start(options);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto stub = kvcal::v1::Calibration::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string((*worker)->port()),
+                          grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext context;
+    kvcal::v1::ListSessionsResponse list;
+    ASSERT_TRUE(stub->ListSessions(&context, {}, &list).ok());
+  }
+  (*worker)->service().DrainStreams();
+  {
+    grpc::ClientContext context;
+    kvcal::v1::ListSessionsResponse list;
+    const grpc::Status status = stub->ListSessions(&context, {}, &list);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+    EXPECT_THAT(status.error_message(), HasSubstr("shutting down"));
+  }
+  {
+    grpc::ClientContext context;
+    kvcal::v1::GetSessionRequest request;
+    request.set_session_id("s");
+    kvcal::v1::Session session;
+    EXPECT_EQ(stub->GetSession(&context, request, &session).error_code(),
+              grpc::StatusCode::UNAVAILABLE);
+  }
+  {
+    grpc::ClientContext context;
+    auto stream = stub->Ingest(&context);
+    kvcal::v1::IngestResponse response;
+    EXPECT_FALSE(stream->Read(&response));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  (*worker)->Shutdown(std::chrono::milliseconds(10000));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5))
+      << "nothing in flight: Shutdown must not wait out its grace period";
 }
 
 }  // namespace
