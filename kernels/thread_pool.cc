@@ -7,7 +7,8 @@ namespace kvcal {
 
 ThreadPool::ThreadPool(int threads) {
   if (threads <= 0) {
-    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) - 1);
+    threads =
+        std::max(1, static_cast<int>(std::thread::hardware_concurrency()) - 1);
   }
   workers_.reserve(static_cast<size_t>(threads));
   for (int i = 0; i < threads; ++i) {
