@@ -18,6 +18,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/test_util.h"
+#include "tests/test_certs.h"
 
 namespace kvcal {
 namespace {
@@ -330,6 +331,60 @@ TEST_F(UploaderTest, BearerTokenIsSentAndRequired) {
   auto result = client.Upload("authed", chunks_, {});
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->chunks_applied, result->chunks);
+}
+
+// The client library over TLS and mutual TLS against a worker started with
+// the matching flags: the same scales as over plaintext; a client without
+// the CA, or without a certificate where one is required, fails clearly.
+TEST_F(UploaderTest, TlsAndMutualTlsUploadGiveTheSameScales) {
+  const std::filesystem::path certs = dir_ / "certs";
+  ASSERT_TRUE(kvcal::testing::MakeTestCertificates(certs)) << "openssl failed";
+  auto plain_worker = StartWorker();
+  ASSERT_NE(plain_worker, nullptr);
+  CalibrationClient plain = Connect({plain_worker->address()});
+  const AllScales want = Reference(plain, "s");
+  ASSERT_FALSE(want.empty());
+
+  const std::string server_pem = (certs / "server.pem").string();
+  const std::string server_key = (certs / "server.key").string();
+  ConnectionOptions tls;
+  tls.tls_ca_file = (certs / "ca.pem").string();
+  {
+    auto worker =
+        StartWorker({"--tls-cert", server_pem, "--tls-key", server_key});
+    ASSERT_NE(worker, nullptr);
+    CalibrationClient client = Connect({worker->address()}, tls);
+    EXPECT_EQ(Reference(client, "s"), want);
+  }
+  {
+    auto worker =
+        StartWorker({"--tls-cert", server_pem, "--tls-key", server_key,
+                     "--tls-client-ca", (certs / "ca.pem").string()});
+    ASSERT_NE(worker, nullptr);
+    ConnectionOptions mutual = tls;
+    mutual.tls_cert_file = (certs / "client.pem").string();
+    mutual.tls_key_file = (certs / "client.key").string();
+    CalibrationClient client = Connect({worker->address()}, mutual);
+    EXPECT_EQ(Reference(client, "s"), want);
+    // Only the CA: the worker asks for a client certificate and gets none.
+    CalibrationClient anonymous = Connect({worker->address()}, tls);
+    EXPECT_EQ(anonymous.GetSession("s").status().code(),
+              absl::StatusCode::kUnavailable);
+  }
+  // A certificate without its key is refused before any connection.
+  ConnectionOptions half = tls;
+  half.tls_cert_file = (certs / "client.pem").string();
+  EXPECT_THAT(CalibrationClient::Connect({plain_worker->address()}, half)
+                  .status()
+                  .message(),
+              HasSubstr("--tls-cert and --tls-key go together"));
+  // A missing CA file is named.
+  ConnectionOptions missing;
+  missing.tls_ca_file = dir_ / "no-such-ca.pem";
+  EXPECT_THAT(CalibrationClient::Connect({plain_worker->address()}, missing)
+                  .status()
+                  .message(),
+              HasSubstr("no-such-ca.pem"));
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "kernels/scale_math.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
 #include "tests/service/worker_process.h"
+#include "tests/test_certs.h"
 
 namespace kvcal {
 namespace {
@@ -908,22 +909,7 @@ class WorkerTlsTest : public ::testing::Test {
            ("kvcal-tls-" + std::to_string(getpid()));
     std::filesystem::create_directories(dir_);
     // A CA, a server certificate for 127.0.0.1 and a client certificate.
-    const std::string script =
-        "set -e; cd '" + dir_.string() +
-        "'; "
-        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem "
-        "-days 2 -subj /CN=kvcal-test-ca 2>/dev/null; "
-        "for n in server client; do "
-        "openssl req -newkey rsa:2048 -nodes -keyout $n.key -out $n.csr "
-        "-subj /CN=$n 2>/dev/null; "
-        "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n' > $n.ext; "
-        "openssl x509 -req -in $n.csr -CA ca.pem -CAkey ca.key "
-        "-CAcreateserial -out $n.pem -days 2 -extfile $n.ext 2>/dev/null; "
-        "done";
-    const std::string script_path = (dir_ / "make_certs.sh").string();
-    std::ofstream(script_path) << script;
-    ASSERT_EQ(std::system(("bash '" + script_path + "'").c_str()), 0)
-        << "openssl failed";
+    ASSERT_TRUE(kvcal::testing::MakeTestCertificates(dir_)) << "openssl failed";
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
