@@ -41,6 +41,7 @@
 #include "kernels/scale_math.h"
 #include "kernels/statistics.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
+#include "tests/service/rpc_helpers.h"
 #include "tests/service/worker_process.h"
 
 namespace kvcal {
@@ -63,6 +64,14 @@ constexpr uint64_t kBatches = 64;  // batch ids cycle (bounds per-batch state)
 constexpr uint64_t kBaselineAllowance = uint64_t{192} << 20;
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 
+// The worker under test is built like this test (./run test --sanitize
+// builds both with AddressSanitizer).
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
 Geometry TestGeometry() {
   Geometry g;
   g.num_layers = kLayers;
@@ -74,14 +83,8 @@ Geometry TestGeometry() {
 }
 
 pb::CreateSessionRequest CreateRequest(const std::string& id) {
-  pb::CreateSessionRequest r;
-  r.set_session_id(id);
-  r.set_num_layers(kLayers);
-  r.set_num_attention_heads(kQHeads);
-  r.set_num_key_value_heads(kKvHeads);
-  r.set_head_dim(kHeadDim);
-  r.set_histogram_bins_per_octave(kBins);
-  return r;
+  return kvcal::testing::CreateSessionRequest(
+      id, {kLayers, kQHeads, kKvHeads, kHeadDim, kBins});
 }
 
 // A pool of heavy-tailed values; chunk content is a slice of it chosen and
@@ -284,22 +287,13 @@ class Rpc {
     return stub_->CreateSession(&context, CreateRequest(id), &session);
   }
   pb::Session Get(const std::string& id) {
-    grpc::ClientContext context;
-    pb::GetSessionRequest request;
-    request.set_session_id(id);
-    pb::Session session;
-    grpc::Status status = stub_->GetSession(&context, request, &session);
+    grpc::Status status;
+    pb::Session session = kvcal::testing::GetSession(stub_.get(), id, &status);
     EXPECT_TRUE(status.ok()) << status.error_message();
     return session;
   }
   std::string ExportStatistics(const std::string& id) {
-    grpc::ClientContext context;
-    pb::ExportStateRequest request;
-    request.set_session_id(id);
-    pb::SessionState state;
-    grpc::Status status = stub_->ExportState(&context, request, &state);
-    EXPECT_TRUE(status.ok()) << status.error_message();
-    return state.statistics();
+    return kvcal::testing::ExportStatistics(stub_.get(), id);
   }
   grpc::Status Finalize(const pb::FinalizeRequest& request,
                         pb::FinalizeResponse* response) {
@@ -498,7 +492,13 @@ TEST(LoadTest, ThirtyTwoProducersFourSessionsMatchReference) {
       static_cast<unsigned long long>(kInflight / kMiB),
       static_cast<unsigned long long>(kBaselineAllowance / kMiB));
   std::fflush(stdout);
-  EXPECT_LT(peak_bytes, bound);
+  if (kSanitized) {
+    // Shadow memory, redzones and the free quarantine of AddressSanitizer
+    // inflate resident memory well past what the worker holds.
+    std::printf("[load] sanitizer build: memory bound not checked\n");
+  } else {
+    EXPECT_LT(peak_bytes, bound);
+  }
   std::string last;
   EXPECT_TRUE(WaitForIdleStreams(metrics_port, std::chrono::seconds(10), &last))
       << last;

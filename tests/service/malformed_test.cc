@@ -22,6 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
+#include "tests/service/rpc_helpers.h"
 #include "tests/service/worker_process.h"
 
 namespace kvcal {
@@ -47,14 +48,8 @@ constexpr size_t kMaxMessageBytes = size_t{1} << 20;
 // --- request builders --------------------------------------------------------
 
 pb::CreateSessionRequest Create(const std::string& id) {
-  pb::CreateSessionRequest r;
-  r.set_session_id(id);
-  r.set_num_layers(kLayers);
-  r.set_num_attention_heads(kQHeads);
-  r.set_num_key_value_heads(kKvHeads);
-  r.set_head_dim(kHeadDim);
-  r.set_histogram_bins_per_octave(kBins);
-  return r;
+  return kvcal::testing::CreateSessionRequest(
+      id, {kLayers, kQHeads, kKvHeads, kHeadDim, kBins});
 }
 
 // A valid next chunk of producer "p" for the target: 3 tokens of layer 0, K.

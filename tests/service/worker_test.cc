@@ -17,6 +17,7 @@
 #include "kernels/backend.h"
 #include "kernels/scale_math.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
+#include "tests/service/rpc_helpers.h"
 #include "tests/service/worker_process.h"
 #include "tests/test_certs.h"
 
@@ -24,6 +25,8 @@ namespace kvcal {
 namespace {
 
 namespace pb = ::kvcal::v1;
+using ::kvcal::testing::ExportStatistics;
+using ::kvcal::testing::GetSession;
 using ::kvcal::testing::WorkerProcess;
 using ::testing::HasSubstr;
 
@@ -34,14 +37,8 @@ constexpr uint32_t kHeadDim = 8;
 
 pb::CreateSessionRequest CreateRequest(const std::string& id,
                                        uint32_t bins = 16) {
-  pb::CreateSessionRequest r;
-  r.set_session_id(id);
-  r.set_num_layers(kLayers);
-  r.set_num_attention_heads(kQHeads);
-  r.set_num_key_value_heads(kKvHeads);
-  r.set_head_dim(kHeadDim);
-  r.set_histogram_bins_per_octave(bins);
-  return r;
+  return kvcal::testing::CreateSessionRequest(
+      id, {kLayers, kQHeads, kKvHeads, kHeadDim, bins});
 }
 
 // Heavy-tailed values: a normal scaled per head, with rare large outliers.
@@ -129,28 +126,6 @@ std::vector<pb::IngestRequest> Numbered(std::vector<pb::IngestRequest> chunks,
     c.set_sequence(first++);
   }
   return chunks;
-}
-
-pb::Session GetSession(pb::Calibration::Stub* stub, const std::string& id,
-                       grpc::Status* status) {
-  grpc::ClientContext context;
-  pb::GetSessionRequest request;
-  request.set_session_id(id);
-  pb::Session session;
-  *status = stub->GetSession(&context, request, &session);
-  return session;
-}
-
-// The session's serialized statistics (ExportState must succeed).
-std::string ExportStatistics(pb::Calibration::Stub* stub,
-                             const std::string& id) {
-  grpc::ClientContext context;
-  pb::ExportStateRequest request;
-  request.set_session_id(id);
-  pb::SessionState state;
-  grpc::Status status = stub->ExportState(&context, request, &state);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  return state.statistics();
 }
 
 class WorkerTest : public ::testing::Test {
