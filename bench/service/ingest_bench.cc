@@ -128,10 +128,13 @@ double Run(const std::string& address, const std::string& session, int streams,
   std::vector<std::thread> threads;
   for (int s = 0; s < streams; ++s) {
     threads.emplace_back([&, s] {
-      // One channel per stream, as separate producer processes would have.
-      args.SetInt("kvcal.bench.stream", s);
+      // One channel per stream, as separate producer processes would have
+      // (distinct arguments keep gRPC from sharing a subchannel). Each
+      // thread sets its own copy.
+      grpc::ChannelArguments channel_args = args;
+      channel_args.SetInt("kvcal.bench.stream", s);
       auto stub = pb::Calibration::NewStub(grpc::CreateCustomChannel(
-          address, grpc::InsecureChannelCredentials(), args));
+          address, grpc::InsecureChannelCredentials(), channel_args));
       grpc::ClientContext context;
       auto stream = stub->Ingest(&context);
       std::thread reader([&] {
