@@ -28,7 +28,10 @@ struct WorkerOptions {
   BackendKind backend = BackendKind::kAuto;
   int device = 0;
   // CPU backend: threads one chunk's statistics may use (0 = every core).
-  int cpu_threads = 0;
+  // One: a chunk is accumulated faster than one stream delivers it, chunks
+  // of different streams run in parallel on the executor, and splitting a
+  // chunk takes cores from gRPC (kvcal_bench_ingest, --cpu-threads).
+  int cpu_threads = 1;
   int max_message_bytes = 64 << 20;
   uint64_t max_sessions = 0;
   uint64_t memory_budget_bytes = 0;

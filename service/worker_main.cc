@@ -55,7 +55,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--cpu-threads", options.cpu_threads,
                  "cpu backend: threads that one large chunk's statistics are "
-                 "split over (0 = every core)")
+                 "split over (0 = every core; chunks of different streams "
+                 "run in parallel regardless)")
       ->check(CLI::Range(0, 1024))
       ->capture_default_str();
   app.add_option("--max-message-bytes", options.max_message_bytes,

@@ -3,7 +3,7 @@
 // anything, measured in the same run. Prints GB/s for both and the ratio.
 //
 //   kvcal_bench_ingest [--chunks N] [--streams 1,4] [--bins 16] [--backend cpu]
-//                      [--reps 3] [--cpu-threads 0]
+//                      [--reps 3] [--cpu-threads N (worker default)]
 //
 // Each stream count runs `reps` rounds, sink then worker, each round into a
 // fresh session; the table gives the medians, their ratio and the range of
@@ -179,7 +179,7 @@ int main(int argc, char** argv) {
   uint32_t bins = 16;
   std::vector<int> stream_counts = {1, 4};
   std::string backend = "cpu";
-  int cpu_threads = 0;
+  int cpu_threads = kvcal::service::WorkerOptions().cpu_threads;
   int reps = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
