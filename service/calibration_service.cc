@@ -391,6 +391,12 @@ class IngestReactor final
     return true;
   }
 
+  // StartRead is issued outside mu_, so no finish may be decided between
+  // the decision here and the call. That holds because every caller is a
+  // reaction (OnReadDone, OnWriteDone: gRPC keeps the call alive until it
+  // returns), the constructor (before binding), or ApplyLoop while
+  // applying_ is set (which blocks any finish). Calling it from elsewhere,
+  // Drain() for one, would need that reasoning again.
   void StartNextRead() {
     pb::IngestRequest* target = nullptr;
     {
