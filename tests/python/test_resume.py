@@ -105,3 +105,46 @@ def test_restart_without_state_is_a_clear_error(make_worker):
         for b, layer, role, x in activations(nbatches=40):
             producer.put(layer, role, x, batch=b + 2)
         producer.close()
+
+
+def test_waiting_for_durability_that_never_comes_is_a_clear_error(make_worker):
+    # keep_until_durable=True against a worker without --state-dir: nothing
+    # ever becomes durable; close() says so instead of waiting forever.
+    w = make_worker()
+    client = kvcal.Client(w.target)
+    client.create_session(geometry=GEOMETRY)
+    producer = kvcal.Producer(client, keep_until_durable=True, durable_timeout=1.0)
+    for b, layer, role, x in activations(nbatches=1):
+        producer.put(layer, role, x, batch=b)
+    start = time.monotonic()
+    with pytest.raises(kvcal.ProducerError, match="--state-dir"):
+        producer.close()
+    assert time.monotonic() - start < 15
+    assert client.status().chunks_applied == producer.last_sequence  # applied, not durable
+
+
+def test_each_outage_gets_the_whole_reconnect_timeout(make_worker):
+    # Two restarts further apart than reconnect_timeout: the second outage is
+    # a new one, not the continuation of the first.
+    w = make_worker(state_dir=True, snapshot_ms=50)
+    client = kvcal.Client(w.target)
+    client.create_session(geometry=GEOMETRY, session_id="outages")
+    producer = kvcal.Producer(client, keep_until_durable=True, reconnect_timeout=2.0,
+                              chunk_bytes=8 << 10)
+    batches = iter(activations(nbatches=200))
+    for restart in range(2):
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            b, layer, role, x = next(batches)
+            producer.put(layer, role, x, batch=b)
+            time.sleep(0.01)
+        producer.flush(durable=False, timeout=20)
+        w.restart()
+    for _ in range(30):
+        b, layer, role, x = next(batches)
+        producer.put(layer, role, x, batch=b)
+    producer.close()
+    assert producer.reconnects >= 2
+    status = client.status()
+    assert status.chunks_applied == producer.last_sequence
+    assert status.producers[0].sequence == producer.last_sequence

@@ -26,6 +26,11 @@ otherwise only while there is room. Set True when the worker runs with
 --state-dir (keeps chunks until its first snapshot too), False to release on
 acknowledgement.
 
+Time limits: each outage (no stream working) may last reconnect_timeout
+seconds; a wait for durability (in flush(), close(), or put() when the held
+chunks are all acknowledged but not durable) durable_timeout seconds. Past
+either, the producer fails with a ProducerError that says which.
+
 Tensors: numpy arrays (float32, float16, ml_dtypes.bfloat16) and torch
 tensors (float32, float16, bfloat16; CPU or CUDA). bf16 goes on the wire as
 bf16. A CUDA tensor is copied to pinned host memory with a non-blocking copy
@@ -230,6 +235,7 @@ class Producer:
         self._seen_durable = False
         self._error: Optional[BaseException] = None
         self._closing = False
+        self._progress = False  # the current stream has had a response
         self._batch = 0
         self._batches_started = False
         self.geometry = None  # the session's, read from the worker below
@@ -300,12 +306,19 @@ class Producer:
         (default: when chunks are kept until durable) until it is on disk."""
         last = self.last_sequence
         deadline = None if timeout is None else time.monotonic() + timeout
+        acked_at = None  # when everything was acknowledged, only durability missing
         while True:
             with self._cv:
                 self._raise_if_failed_locked()
                 want_durable = self._want_durable() if durable is None else durable
                 if self._acked >= last and (not want_durable or self._durable >= last):
                     return
+                if self._acked >= last:
+                    acked_at = acked_at or time.monotonic()
+                    if time.monotonic() - acked_at > self.durable_timeout:
+                        raise ProducerError(self._not_durable_message_locked(last))
+                else:
+                    acked_at = None
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"kvcal: flush: acknowledged {self._acked}, durable "
@@ -320,8 +333,12 @@ class Producer:
         for it while nothing is being sent)."""
         try:
             watermark = self._server_watermark()
-        except KvcalError:
-            return  # the stream thread deals with connection trouble
+        except KvcalError as e:
+            if e.code in _RETRYABLE:
+                return  # the stream thread deals with connection trouble
+            self._fail(ProducerError(f"kvcal: producer {self.producer_id}: reading the durable "
+                                     f"watermark of session {self.session_id}: {e}"))
+            return
         if watermark is None:
             return
         with self._cv:
@@ -376,6 +393,7 @@ class Producer:
 
     def _wait_for_room_locked(self, nbytes: int) -> None:
         waited = 0
+        acked_at = None  # since when every held chunk is acknowledged, not durable
         while True:
             self._raise_if_failed_locked()
             if self._closing:
@@ -388,6 +406,12 @@ class Producer:
                 self._release_locked(self._acked)
                 if self._has_room_locked(nbytes):
                     return
+            if self._chunks and self._acked >= self._chunks[-1].sequence:
+                acked_at = acked_at or time.monotonic()
+                if time.monotonic() - acked_at > self.durable_timeout:
+                    raise ProducerError(self._not_durable_message_locked(self._chunks[-1].sequence))
+            else:
+                acked_at = None
             self._cv.wait(0.2)
             waited += 1
             if waited % 5 == 0 and self._want_durable():
@@ -397,6 +421,11 @@ class Producer:
                     self._poll_durable()
                 finally:
                     self._cv.acquire()
+
+    def _not_durable_message_locked(self, last: int) -> str:
+        return (f"kvcal: producer {self.producer_id}: chunks up to {last} acknowledged but only "
+                f"{self._durable} durable after {self.durable_timeout:.0f} s; is the worker running "
+                f"with --state-dir and able to write it? (keep_until_durable=False does not wait)")
 
     def _has_room_locked(self, nbytes: int) -> bool:
         return len(self._chunks) < self.max_pending_chunks and (
@@ -408,7 +437,10 @@ class Producer:
         self._cv.notify_all()
 
     def _release_point_locked(self) -> int:
-        return self._durable if self._want_durable() else self._acked
+        # None and no durable watermark seen yet: kept while there is room
+        # (_wait_for_room_locked releases acknowledged ones when full), so a
+        # worker that restarts before its first snapshot still gets them.
+        return self._acked if self.keep_until_durable is False else self._durable
 
     def _fail(self, error: BaseException) -> None:
         with self._cv:
@@ -465,6 +497,7 @@ class Producer:
                     return
                 if self._closing and self._acked >= self.last_sequence:
                     return
+            self._progress = False
             try:
                 start = self._resync()
                 self._stream(start)
@@ -480,6 +513,8 @@ class Producer:
                                              f"{code.name if code else 'ERROR'}: {detail}"))
                     return
                 now = time.monotonic()
+                if self._progress:  # the broken stream had worked: a new outage
+                    failing_since, backoff = None, 0.05
                 failing_since = failing_since or now
                 if now - failing_since > self.reconnect_timeout:
                     self._fail(ProducerError(
@@ -507,8 +542,19 @@ class Producer:
                     while True:
                         if stop.is_set() or self._error is not None:
                             return
+                        if sequence <= self._acked:
+                            # Acknowledged meanwhile (e.g. an earlier stream's
+                            # chunks applied after this one resumed): skip.
+                            sequence = self._acked + 1
+                            continue
                         if sequence < self._next_sequence and sequence - self._acked <= self.window:
-                            first = self._chunks[0].sequence
+                            first = self._chunks[0].sequence if self._chunks else self._next_sequence
+                            if sequence < first:
+                                self._error = self._error or ProducerError(
+                                    f"kvcal: producer {self.producer_id}: chunk {sequence} must be "
+                                    f"sent but was already released (kept from {first})")
+                                self._cv.notify_all()
+                                return
                             chunk = self._chunks[sequence - first]
                             break
                         if self._closing and sequence >= self._next_sequence:
@@ -525,6 +571,7 @@ class Producer:
         call = self.client.stub.Ingest(requests(), metadata=self.client.metadata)
         try:
             for response in call:
+                self._progress = True
                 with self._cv:
                     self._acked = max(self._acked, response.watermark)
                     if response.durable_watermark > 0:
@@ -551,6 +598,11 @@ class Producer:
             time.sleep(0.2)
             applied, durable = self._server_watermark() or (0, 0)
             with self._cv:
+                if applied < self._acked:
+                    # The worker restarted from an older snapshot: the run
+                    # loop resyncs and sends the kept chunks again.
+                    self._acked = applied
+                    return
                 if durable > 0:
                     self._seen_durable = True
                 self._durable = max(self._durable, durable)
