@@ -202,6 +202,24 @@ absl::StatusOr<UploadResult> Uploader::Upload(
   int attempts = 0;
   absl::Duration backoff = options_.initial_backoff;
   absl::Status last_error;
+  // The most ever acknowledged: only getting past it is progress (a worker
+  // that crashes on a chunk and restarts from a snapshot re-acknowledges
+  // the same chunks again and again).
+  uint64_t best = acked;
+  // Backs off before the next try; false once max_attempts tries in a row
+  // made no progress.
+  auto another_attempt = [&] {
+    if (++attempts > options_.max_attempts) return false;
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, options_.max_backoff);
+    return true;
+  };
+  auto gave_up = [&] {
+    return absl::UnavailableError(
+        absl::StrCat(who, ": gave up after ", options_.max_attempts,
+                     " attempts without progress at sequence ", acked + 1,
+                     "; last error: ", last_error.message()));
+  };
   while (acked < n) {
     const uint64_t start = acked + 1;
     grpc::ClientContext context;
@@ -234,11 +252,13 @@ absl::StatusOr<UploadResult> Uploader::Upload(
     v1::IngestResponse response;
     uint64_t expected = start;
     bool cut = false;
+    bool read_ended = true;  // false: this loop left with the stream open
     while (stream->Read(&response)) {
       if (response.sequence() != expected) {
         protocol_error = absl::InternalError(
             absl::StrCat(who, ": worker acknowledged sequence ",
                          response.sequence(), " where ", expected, " was due"));
+        read_ended = false;
         break;
       }
       if (response.applied()) {
@@ -256,6 +276,7 @@ absl::StatusOr<UploadResult> Uploader::Upload(
       ++expected;
       if (options_.on_ack && !options_.on_ack(acked)) {
         cut = true;
+        read_ended = false;
         break;
       }
     }
@@ -264,7 +285,10 @@ absl::StatusOr<UploadResult> Uploader::Upload(
       stop = true;
     }
     cv.notify_one();
-    if (acked < n || !protocol_error.ok()) context.TryCancel();
+    // Only a stream this loop left open is cancelled: after Read returned
+    // false the call is over, and cancelling it would replace the worker's
+    // status (say INVALID_ARGUMENT naming the chunk) with CANCELLED.
+    if (!read_ended) context.TryCancel();
     writer.join();
     result.chunks_sent += sent;
     const grpc::Status finish = stream->Finish();
@@ -282,25 +306,21 @@ absl::StatusOr<UploadResult> Uploader::Upload(
     last_error = status;
 
     // Reconnect: back off, then learn what the worker holds and go on from
-    // there. A stream that made progress resets the attempt count.
-    if (acked >= start) {
+    // there; never stream again before the worker said where to start.
+    if (acked > best) {
+      best = acked;
       attempts = 0;
       backoff = options_.initial_backoff;
     }
-    if (++attempts > options_.max_attempts) {
-      return absl::UnavailableError(absl::StrCat(
-          who, ": gave up after ", options_.max_attempts,
-          " attempts without progress; last error: ", last_error.message()));
-    }
-    absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, options_.max_backoff);
+    if (!another_attempt()) return gave_up();
     ++result.reconnects;
     ++counters.reconnects;
     absl::StatusOr<uint64_t> watermark = Watermark(/*wait_for_ready=*/true);
-    if (!watermark.ok()) {
+    while (!watermark.ok()) {
       if (!Retriable(watermark.status())) return watermark.status();
       last_error = watermark.status();
-      continue;
+      if (!another_attempt()) return gave_up();
+      watermark = Watermark(/*wait_for_ready=*/true);
     }
     if (*watermark > n) {
       return absl::FailedPreconditionError(

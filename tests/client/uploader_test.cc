@@ -387,5 +387,27 @@ TEST_F(UploaderTest, TlsAndMutualTlsUploadGiveTheSameScales) {
               HasSubstr("no-such-ca.pem"));
 }
 
+// A chunk the worker rejects ends the upload with the worker's own code and
+// message, at once: not retried, not turned into CANCELLED or UNAVAILABLE.
+TEST_F(UploaderTest, RejectedChunkReturnsTheWorkersErrorAtOnce) {
+  auto worker = StartWorker();
+  ASSERT_NE(worker, nullptr);
+  CalibrationClient client = Connect({worker->address()});
+  v1::CreateSessionRequest request;
+  request.set_session_id("small");
+  request.set_num_layers(model_.num_layers);
+  request.set_num_attention_heads(model_.num_attention_heads);
+  request.set_num_key_value_heads(model_.num_key_value_heads);
+  request.set_head_dim(model_.head_dim / 2);  // every chunk has the wrong dim
+  ASSERT_TRUE(client.CreateSession(request).ok());
+  const auto start = absl::Now();
+  auto result = client.Upload("small", chunks_, {});
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument)
+      << result.status();
+  EXPECT_THAT(result.status().message(), HasSubstr("head_dim"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "retried a bad chunk";
+}
+
 }  // namespace
 }  // namespace kvcal
