@@ -53,6 +53,14 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // While a call is open, ping every 30 s and give up on the connection
+  // after 20 s without an answer, pinging even when no data flows: a worker
+  // host that vanished without a reset would otherwise leave a stream that
+  // waits for acknowledgements forever. The worker accepts pings this often
+  // (worker.cc).
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   return grpc::CreateCustomChannel(endpoint, credentials, args);
 }
 

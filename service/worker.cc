@@ -131,6 +131,15 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, credentials, &worker->port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  // Clients ping every 30 s while a call is open (client/connection.cc) to
+  // notice a vanished worker; accept pings every 10 s even without data so
+  // that a waiting stream is never cut for "too many pings". The worker
+  // also pings idle clients so that a producer host that vanished frees its
+  // stream.
+  builder.AddChannelArgument(
+      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   // The health and reflection services are synchronous; their pollers wake
   // this often, which bounds how long Shutdown waits for them.

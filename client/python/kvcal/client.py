@@ -127,7 +127,14 @@ class Client:
         self.session_id = session_id
         self.geometry: Optional[Geometry] = None
         options = [("grpc.max_send_message_length", max_message_bytes),
-                   ("grpc.max_receive_message_length", max_message_bytes)]
+                   ("grpc.max_receive_message_length", max_message_bytes),
+                   # While a call is open: ping every 30 s, drop the connection
+                   # after 20 s without an answer (a vanished worker host
+                   # would otherwise leave a stream waiting forever). The
+                   # worker accepts pings this often.
+                   ("grpc.keepalive_time_ms", 30000),
+                   ("grpc.keepalive_timeout_ms", 20000),
+                   ("grpc.http2.max_pings_without_data", 0)]
         if tls:
             if isinstance(tls, grpc.ChannelCredentials):
                 creds = tls
