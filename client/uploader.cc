@@ -140,7 +140,7 @@ Uploader::Uploader(std::shared_ptr<grpc::Channel> channel,
     options_.counters = std::make_shared<UploadCounters>();
 }
 
-absl::StatusOr<uint64_t> Uploader::Watermark(bool wait_for_ready) {
+absl::StatusOr<Uploader::ProducerState> Uploader::State(bool wait_for_ready) {
   grpc::ClientContext context;
   PrepareContext(context, connection_, options_.rpc_timeout, wait_for_ready);
   v1::GetSessionRequest request;
@@ -148,11 +148,22 @@ absl::StatusOr<uint64_t> Uploader::Watermark(bool wait_for_ready) {
   v1::Session session;
   KVCAL_RETURN_IF_ERROR(
       ToAbslStatus(stub_->GetSession(&context, request, &session),
-                   absl::StrCat("GetSession(", options_.session_id, ")")));
+                   absl::StrCat("GetSession(", options_.session_id,
+                                ") for producer ", options_.producer_id)));
+  ProducerState state;
+  state.persistent = session.persistent();
   for (const v1::ProducerWatermark& p : session.producers()) {
-    if (p.producer_id() == options_.producer_id) return p.sequence();
+    if (p.producer_id() == options_.producer_id) {
+      state.sequence = p.sequence();
+      state.durable_sequence = p.durable_sequence();
+    }
   }
-  return 0;
+  return state;
+}
+
+absl::StatusOr<uint64_t> Uploader::Watermark(bool wait_for_ready) {
+  KVCAL_ASSIGN_OR_RETURN(ProducerState state, State(wait_for_ready));
+  return state.sequence;
 }
 
 absl::StatusOr<UploadResult> Uploader::Upload(
@@ -220,115 +231,149 @@ absl::StatusOr<UploadResult> Uploader::Upload(
                      " attempts without progress at sequence ", acked + 1,
                      "; last error: ", last_error.message()));
   };
-  while (acked < n) {
-    const uint64_t start = acked + 1;
-    grpc::ClientContext context;
-    PrepareContext(context, connection_, absl::InfiniteDuration());
-    std::unique_ptr<
-        grpc::ClientReaderWriter<v1::IngestRequest, v1::IngestResponse>>
-        stream = stub_->Ingest(&context);
+  absl::Time durable_deadline = absl::InfiniteFuture();
+  absl::Duration durable_poll = absl::Milliseconds(50);
+  for (;;) {
+    while (acked < n) {
+      const uint64_t start = acked + 1;
+      grpc::ClientContext context;
+      PrepareContext(context, connection_, absl::InfiniteDuration());
+      std::unique_ptr<
+          grpc::ClientReaderWriter<v1::IngestRequest, v1::IngestResponse>>
+          stream = stub_->Ingest(&context);
 
-    std::mutex mu;
-    std::condition_variable cv;
-    uint64_t stream_acked = start - 1;  // guarded by mu
-    bool stop = false;                  // guarded by mu
-    uint64_t sent = 0;
-    std::thread writer([&] {
-      for (uint64_t seq = start; seq <= n; ++seq) {
-        {
-          std::unique_lock<std::mutex> lock(mu);
-          cv.wait(lock, [&] {
-            return stop || seq - stream_acked <= options_.window;
-          });
-          if (stop) return;
+      std::mutex mu;
+      std::condition_variable cv;
+      uint64_t stream_acked = start - 1;  // guarded by mu
+      bool stop = false;                  // guarded by mu
+      uint64_t sent = 0;
+      std::thread writer([&] {
+        for (uint64_t seq = start; seq <= n; ++seq) {
+          {
+            std::unique_lock<std::mutex> lock(mu);
+            cv.wait(lock, [&] {
+              return stop || seq - stream_acked <= options_.window;
+            });
+            if (stop) return;
+          }
+          if (!stream->Write(MakeRequest(chunks[seq - 1], seq, options_)))
+            return;
+          ++sent;
         }
-        if (!stream->Write(MakeRequest(chunks[seq - 1], seq, options_))) return;
-        ++sent;
-      }
-      stream->WritesDone();
-    });
+        stream->WritesDone();
+      });
 
-    absl::Status protocol_error;
-    v1::IngestResponse response;
-    uint64_t expected = start;
-    bool cut = false;
-    bool read_ended = true;  // false: this loop left with the stream open
-    while (stream->Read(&response)) {
-      if (response.sequence() != expected) {
-        protocol_error = absl::InternalError(
-            absl::StrCat(who, ": worker acknowledged sequence ",
-                         response.sequence(), " where ", expected, " was due"));
-        read_ended = false;
-        break;
-      }
-      if (response.applied()) {
-        ++result.chunks_applied;
-      } else {
-        ++result.chunks_duplicate;
+      absl::Status protocol_error;
+      v1::IngestResponse response;
+      uint64_t expected = start;
+      bool cut = false;
+      bool read_ended = true;  // false: this loop left with the stream open
+      while (stream->Read(&response)) {
+        if (response.sequence() != expected) {
+          protocol_error = absl::InternalError(absl::StrCat(
+              who, ": worker acknowledged sequence ", response.sequence(),
+              " where ", expected, " was due"));
+          read_ended = false;
+          break;
+        }
+        if (response.applied()) {
+          ++result.chunks_applied;
+        } else {
+          ++result.chunks_duplicate;
+        }
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          stream_acked = expected;
+        }
+        cv.notify_one();
+        acked = expected;
+        publish(acked);
+        ++expected;
+        if (options_.on_ack && !options_.on_ack(acked)) {
+          cut = true;
+          read_ended = false;
+          break;
+        }
       }
       {
         std::lock_guard<std::mutex> lock(mu);
-        stream_acked = expected;
+        stop = true;
       }
       cv.notify_one();
-      acked = expected;
-      publish(acked);
-      ++expected;
-      if (options_.on_ack && !options_.on_ack(acked)) {
-        cut = true;
-        read_ended = false;
-        break;
+      // Only a stream this loop left open is cancelled: after Read returned
+      // false the call is over, and cancelling it would replace the worker's
+      // status (say INVALID_ARGUMENT naming the chunk) with CANCELLED.
+      if (!read_ended) context.TryCancel();
+      writer.join();
+      result.chunks_sent += sent;
+      const grpc::Status finish = stream->Finish();
+      if (!protocol_error.ok()) return protocol_error;
+      absl::Status status = ToAbslStatus(
+          finish,
+          absl::StrCat("Ingest (", who, ", at sequence ", acked + 1, ")"));
+      if (acked == n && (status.ok() || cut)) break;
+      if (status.ok()) {
+        status = absl::UnavailableError(
+            absl::StrCat("Ingest (", who, "): stream ended after sequence ",
+                         acked, " of ", n));
       }
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      stop = true;
-    }
-    cv.notify_one();
-    // Only a stream this loop left open is cancelled: after Read returned
-    // false the call is over, and cancelling it would replace the worker's
-    // status (say INVALID_ARGUMENT naming the chunk) with CANCELLED.
-    if (!read_ended) context.TryCancel();
-    writer.join();
-    result.chunks_sent += sent;
-    const grpc::Status finish = stream->Finish();
-    if (!protocol_error.ok()) return protocol_error;
-    absl::Status status = ToAbslStatus(
-        finish,
-        absl::StrCat("Ingest (", who, ", at sequence ", acked + 1, ")"));
-    if (acked == n && (status.ok() || cut)) break;
-    if (status.ok()) {
-      status = absl::UnavailableError(
-          absl::StrCat("Ingest (", who, "): stream ended after sequence ",
-                       acked, " of ", n));
-    }
-    if (!Retriable(status) && !cut) return status;
-    last_error = status;
+      if (!Retriable(status) && !cut) return status;
+      last_error = status;
 
-    // Reconnect: back off, then learn what the worker holds and go on from
-    // there; never stream again before the worker said where to start.
-    if (acked > best) {
-      best = acked;
-      attempts = 0;
-      backoff = options_.initial_backoff;
-    }
-    if (!another_attempt()) return gave_up();
-    ++result.reconnects;
-    ++counters.reconnects;
-    absl::StatusOr<uint64_t> watermark = Watermark(/*wait_for_ready=*/true);
-    while (!watermark.ok()) {
-      if (!Retriable(watermark.status())) return watermark.status();
-      last_error = watermark.status();
+      // Reconnect: back off, then learn what the worker holds and go on from
+      // there; never stream again before the worker said where to start.
+      if (acked > best) {
+        best = acked;
+        attempts = 0;
+        backoff = options_.initial_backoff;
+      }
       if (!another_attempt()) return gave_up();
-      watermark = Watermark(/*wait_for_ready=*/true);
+      ++result.reconnects;
+      ++counters.reconnects;
+      absl::StatusOr<uint64_t> watermark = Watermark(/*wait_for_ready=*/true);
+      while (!watermark.ok()) {
+        if (!Retriable(watermark.status())) return watermark.status();
+        last_error = watermark.status();
+        if (!another_attempt()) return gave_up();
+        watermark = Watermark(/*wait_for_ready=*/true);
+      }
+      if (*watermark > n) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(who, ": worker watermark ", *watermark, " beyond the ",
+                         n, " chunks of this upload"));
+      }
+      acked = *watermark;  // may be lower than acknowledged: a restored worker
+      publish(acked);
     }
-    if (*watermark > n) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(who, ": worker watermark ", *watermark, " beyond the ",
-                       n, " chunks of this upload"));
+    if (!options_.wait_durable) break;
+    // Every chunk is acknowledged: wait until the worker's state dir has them.
+    absl::StatusOr<ProducerState> state = State(/*wait_for_ready=*/true);
+    if (!state.ok()) {
+      if (!Retriable(state.status())) return state.status();
+      last_error = state.status();
+      if (!another_attempt()) return gave_up();
+      continue;
     }
-    acked = *watermark;  // may be lower than acknowledged: a restored worker
-    publish(acked);
+    if (!state->persistent || state->durable_sequence >= n) break;
+    if (state->sequence < acked) {
+      // The worker restarted from an older snapshot: send the rest again.
+      acked = state->sequence;
+      publish(acked);
+      continue;
+    }
+    const absl::Time now = absl::Now();
+    if (durable_deadline == absl::InfiniteFuture()) {
+      durable_deadline = now + options_.durable_timeout;
+    } else if (now > durable_deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(who, ": all ", n, " chunks acknowledged but only ",
+                       state->durable_sequence, " durable after ",
+                       absl::FormatDuration(options_.durable_timeout),
+                       "; can the worker write its --state-dir? (its /healthz "
+                       "and log say)"));
+    }
+    absl::SleepFor(durable_poll);
+    durable_poll = std::min(durable_poll * 2, absl::Seconds(1));
   }
   return result;
 }

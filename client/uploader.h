@@ -56,6 +56,13 @@ struct UploaderOptions {
   absl::Duration max_backoff = absl::Seconds(5);
   // Deadline of GetSession and of each wait for a worker to come back.
   absl::Duration rpc_timeout = absl::Seconds(30);
+  // After the last acknowledgement, wait until the worker has every chunk
+  // in its state dir (the session is `persistent`), so that a worker crash
+  // right after Upload returns cannot lose acknowledged chunks; chunks a
+  // restarted worker lost meanwhile are sent again. Workers without
+  // --state-dir are not waited for. DEADLINE_EXCEEDED after durable_timeout.
+  bool wait_durable = true;
+  absl::Duration durable_timeout = absl::Seconds(120);
   std::shared_ptr<UploadCounters> counters;
   // Test hook, called on the reader thread after each acknowledgement with
   // its sequence; returning false cuts the stream (as a network failure
@@ -86,6 +93,12 @@ class Uploader {
       absl::Span<const ChunkView> tensors);
 
  private:
+  struct ProducerState {
+    uint64_t sequence = 0;          // applied watermark
+    uint64_t durable_sequence = 0;  // of it, in the worker's state dir
+    bool persistent = false;        // the worker has a state dir
+  };
+  absl::StatusOr<ProducerState> State(bool wait_for_ready);
   absl::StatusOr<uint64_t> Watermark(bool wait_for_ready);
 
   std::shared_ptr<grpc::Channel> channel_;

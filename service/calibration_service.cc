@@ -93,7 +93,7 @@ grpc::ServerUnaryReactor* CalibrationService::CreateSession(
         if (!session.ok()) return session.status();
         auto info = (*session)->Info();
         if (!info.ok()) return info.status();
-        SessionInfoToProto(*info, response);
+        SessionToProto(*info, response);
         return absl::OkStatus();
       });
 }
@@ -108,7 +108,7 @@ grpc::ServerUnaryReactor* CalibrationService::GetSession(
         if (!session.ok()) return session.status();
         auto info = (*session)->Info();
         if (!info.ok()) return info.status();
-        SessionInfoToProto(*info, response);
+        SessionToProto(*info, response);
         return absl::OkStatus();
       });
 }
@@ -122,7 +122,7 @@ grpc::ServerUnaryReactor* CalibrationService::ListSessions(
                  for (const auto& session : registry_.List(tenant)) {
                    auto info = session->Info();
                    if (!info.ok()) return info.status();
-                   SessionInfoToProto(*info, response->add_sessions());
+                   SessionToProto(*info, response->add_sessions());
                  }
                  return absl::OkStatus();
                });
@@ -188,7 +188,7 @@ grpc::ServerUnaryReactor* CalibrationService::ImportState(
         if (!session.ok()) return session.status();
         auto info = (*session)->Info();
         if (!info.ok()) return info.status();
-        SessionInfoToProto(*info, response);
+        SessionToProto(*info, response);
         return absl::OkStatus();
       });
 }
@@ -220,6 +220,12 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
   response.set_watermark(outcome->watermark);
   response.set_durable_watermark(outcome->durable_watermark);
   return response;
+}
+
+void CalibrationService::SessionToProto(const SessionInfo& info,
+                                        pb::Session* out) const {
+  SessionInfoToProto(info, out);
+  out->set_persistent(persister_ != nullptr);
 }
 
 void CalibrationService::AddInflight(int64_t delta) {

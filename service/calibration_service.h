@@ -113,6 +113,8 @@ class CalibrationService final
       const std::string& tenant, const kvcal::v1::IngestRequest& request);
 
   // In-flight accounting shared by all Ingest streams.
+  // SessionInfoToProto plus what the service knows (persistence).
+  void SessionToProto(const SessionInfo& info, kvcal::v1::Session* out) const;
   void AddInflight(int64_t delta);
   bool InflightBelowLimit() const;
 

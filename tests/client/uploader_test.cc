@@ -409,5 +409,52 @@ TEST_F(UploaderTest, RejectedChunkReturnsTheWorkersErrorAtOnce) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "retried a bad chunk";
 }
 
+// Against a worker with --state-dir, Upload returns once every chunk is
+// durable, not merely acknowledged; a worker that never writes its state is
+// a clear DEADLINE_EXCEEDED after durable_timeout.
+TEST_F(UploaderTest, UploadWaitsUntilTheChunksAreDurable) {
+  const std::string state_dir = dir_ / "state";
+  {
+    auto worker = StartWorker(
+        {"--state-dir", state_dir, "--snapshot-interval-ms", "300"});
+    ASSERT_NE(worker, nullptr);
+    CalibrationClient client = Connect({worker->address()});
+    Create(client, "durable");
+    auto result = client.Upload("durable", chunks_, {});
+    ASSERT_TRUE(result.ok()) << result.status();
+    auto session = client.GetSession("durable");
+    ASSERT_TRUE(session.ok()) << session.status();
+    EXPECT_TRUE(session->persistent());
+    ASSERT_EQ(session->producers_size(), 1);
+    EXPECT_EQ(session->producers(0).durable_sequence(), result->chunks);
+  }
+  {
+    // Snapshots an hour apart: nothing becomes durable within the timeout.
+    auto worker = StartWorker({"--state-dir", state_dir + "-slow",
+                               "--snapshot-interval-ms", "3600000"});
+    ASSERT_NE(worker, nullptr);
+    auto channel = MakeChannel(worker->address(), {});
+    ASSERT_TRUE(channel.ok());
+    CalibrationClient client = Connect({worker->address()});
+    Create(client, "slow");
+    UploaderOptions options;
+    options.session_id = "slow";
+    options.durable_timeout = absl::Milliseconds(500);
+    Uploader uploader(*channel, {}, options);
+    auto result = uploader.Upload(chunks_);
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kDeadlineExceeded)
+        << result.status();
+    EXPECT_THAT(result.status().message(), HasSubstr("durable"));
+    // Without a state dir there is nothing to wait for.
+    auto plain = StartWorker();
+    ASSERT_NE(plain, nullptr);
+    CalibrationClient plain_client = Connect({plain->address()});
+    Create(plain_client, "plain");
+    auto session = plain_client.GetSession("plain");
+    ASSERT_TRUE(session.ok());
+    EXPECT_FALSE(session->persistent());
+  }
+}
+
 }  // namespace
 }  // namespace kvcal

@@ -21,8 +21,9 @@ GetSession and resends from there. A chunk is released once the worker
 acknowledged it, or, when the worker persists its state (--state-dir), once it
 is durable, so a worker that restarts from its last snapshot gets everything
 it lost. keep_until_durable=None (default) learns that from the worker: chunks
-are kept until durable as soon as a durable watermark has been seen, and
-otherwise only while there is room. Set True when the worker runs with
+are kept until durable when the session is persistent (the worker runs with
+--state-dir) or a durable watermark has been seen, and otherwise only while
+there is room. Set True when the worker runs with
 --state-dir (keeps chunks until its first snapshot too), False to release on
 acknowledgement.
 
@@ -450,6 +451,8 @@ class Producer:
 
     def _server_watermark(self) -> Optional[Tuple[int, int]]:
         session = self.client.status(self.session_id)
+        if session.persistent:  # the worker has a state dir
+            self._seen_durable = True
         if self.geometry is None:
             from kvcal.client import Geometry
 
