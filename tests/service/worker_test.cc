@@ -776,9 +776,16 @@ TEST_F(WorkerTest, SigtermDrainsAndExitsZero) {
   auto chunks = Numbered(Workload("s", 4, 64), "p");
   StreamResult result = IngestAll(stub_.get(), chunks);
   ASSERT_TRUE(result.status.ok());
-  // A stream left open across SIGTERM is ended by the drain.
+  // A stream left open across SIGTERM is ended by the drain. One chunk (a
+  // duplicate) and its acknowledgement make sure the worker has the stream
+  // before the signal: a call still on its way when the server shuts down
+  // ends CANCELLED instead (also retried by producers).
   grpc::ClientContext context;
   auto open_stream = stub_->Ingest(&context);
+  ASSERT_TRUE(open_stream->Write(chunks[0]));
+  pb::IngestResponse ack;
+  ASSERT_TRUE(open_stream->Read(&ack));
+  EXPECT_FALSE(ack.applied());
   const int status = worker_.SignalAndWait(SIGTERM, std::chrono::seconds(30));
   ASSERT_NE(status, -1) << "worker did not exit after SIGTERM";
   EXPECT_TRUE(WIFEXITED(status));
