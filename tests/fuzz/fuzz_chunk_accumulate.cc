@@ -149,6 +149,9 @@ float ElementAt(const ChunkView& chunk, uint64_t index) {
 void AddReference(const Geometry& g, const ChunkView& chunk,
                   const ChunkExtent& extent, SessionStatistics* reference,
                   std::vector<double>* abs_sums) {
+  // A zero dimension anywhere makes an empty chunk, however large the others
+  // (outer may be near 2^64 with inner 0): nothing to add, nothing to walk.
+  if (extent.elements() == 0) return;
   for (uint64_t o = 0; o < extent.outer; ++o) {
     for (uint32_t h = 0; h < extent.heads; ++h) {
       const uint32_t head = chunk.head_offset + h;
