@@ -18,6 +18,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/test_util.h"
+#include "tests/service/rpc_helpers.h"
 #include "tests/test_certs.h"
 
 namespace kvcal {
@@ -108,15 +109,16 @@ class UploaderTest : public ::testing::Test {
     }
   }
 
+  // The model's geometry with `head_dim`, 64 histogram bins per octave.
+  v1::CreateSessionRequest Request(const std::string& id,
+                                   uint32_t head_dim) const {
+    return kvcal::testing::CreateSessionRequest(
+        id, {model_.num_layers, model_.num_attention_heads,
+             model_.num_key_value_heads, head_dim, 64});
+  }
+
   v1::Session Create(CalibrationClient& client, const std::string& id) {
-    v1::CreateSessionRequest request;
-    request.set_session_id(id);
-    request.set_num_layers(model_.num_layers);
-    request.set_num_attention_heads(model_.num_attention_heads);
-    request.set_num_key_value_heads(model_.num_key_value_heads);
-    request.set_head_dim(model_.head_dim);
-    request.set_histogram_bins_per_octave(64);
-    auto session = client.CreateSession(request);
+    auto session = client.CreateSession(Request(id, model_.head_dim));
     EXPECT_TRUE(session.ok()) << session.status();
     return session.ok() ? *session : v1::Session();
   }
@@ -393,13 +395,8 @@ TEST_F(UploaderTest, RejectedChunkReturnsTheWorkersErrorAtOnce) {
   auto worker = StartWorker();
   ASSERT_NE(worker, nullptr);
   CalibrationClient client = Connect({worker->address()});
-  v1::CreateSessionRequest request;
-  request.set_session_id("small");
-  request.set_num_layers(model_.num_layers);
-  request.set_num_attention_heads(model_.num_attention_heads);
-  request.set_num_key_value_heads(model_.num_key_value_heads);
-  request.set_head_dim(model_.head_dim / 2);  // every chunk has the wrong dim
-  ASSERT_TRUE(client.CreateSession(request).ok());
+  // Every chunk has the wrong head_dim for this session.
+  ASSERT_TRUE(client.CreateSession(Request("small", model_.head_dim / 2)).ok());
   const auto start = absl::Now();
   auto result = client.Upload("small", chunks_, {});
   ASSERT_FALSE(result.ok());
