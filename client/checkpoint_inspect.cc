@@ -15,6 +15,7 @@
 #include "client/checkpoint_patcher.h"
 #include "client/model_config.h"
 #include "client/safetensors.h"
+#include "client/vllm_rules.h"
 #include "kernels/element_math.h"
 #include "kernels/status_macros.h"
 
@@ -59,27 +60,10 @@ std::optional<ScaleName> ParseScaleName(const std::string& name) {
   return std::nullopt;
 }
 
-std::optional<std::vector<float>> ReadFloats(const SafetensorsFile& file,
-                                             const TensorInfo& t) {
-  absl::Span<const std::byte> data = file.Data(t);
-  std::vector<float> values(t.elements());
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (t.dtype == "F32") {
-      std::memcpy(&values[i], data.data() + 4 * i, 4);
-    } else if (t.dtype == "F16" || t.dtype == "BF16") {
-      uint16_t bits;
-      std::memcpy(&bits, data.data() + 2 * i, 2);
-      values[i] = t.dtype == "F16" ? DecodeF16(bits) : DecodeBf16(bits);
-    } else {
-      return std::nullopt;
-    }
-  }
-  return values;
-}
-
 }  // namespace
 
-absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name) {
+absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name,
+                                                const VllmLoadOptions& vllm) {
   const fs::path dir(dir_name);
   InspectReport report;
   report.checkpoint_dir = dir_name;
@@ -152,7 +136,7 @@ absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name) {
   }
 
   std::map<uint32_t, InspectedLayer> layers;
-  std::set<std::string> conventions;
+  std::vector<VllmScaleTensor> scale_tensors;
   for (const std::string& f : files) {
     auto file = SafetensorsFile::Open((dir / f).string());
     if (!file.ok()) {
@@ -167,21 +151,20 @@ absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name) {
     }
     report.tensor_count += file->tensors().size();
     for (const TensorInfo& t : file->tensors()) {
+      if (IsVllmScaleName(t.name)) {
+        scale_tensors.push_back(
+            {t.name, t.shape,
+             file->ReadFloats(t).value_or(std::vector<float>{})});
+      }
       std::optional<ScaleName> parsed = ParseScaleName(t.name);
       if (!parsed) continue;
-      conventions.insert(parsed->convention);
       InspectedLayer& layer = layers[parsed->layer];
       layer.layer = parsed->layer;
       InspectedScale& scale = layer.roles[parsed->role];
-      if (!scale.tensor.empty()) {
-        report.errors.push_back(absl::StrCat(
-            "layer ", parsed->layer, " has two ", kRoleNames[parsed->role],
-            " scales: ", scale.tensor, " and ", t.name));
-      }
       scale.tensor = t.name;
       scale.file = f;
       scale.shape = t.shape;
-      std::optional<std::vector<float>> values = ReadFloats(*file, t);
+      std::optional<std::vector<float>> values = file->ReadFloats(t);
       if (!values) {
         report.errors.push_back(absl::StrCat(t.name, " has dtype ", t.dtype,
                                              "; scales must be F32/F16/BF16"));
@@ -190,89 +173,28 @@ absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name) {
       scale.values = *std::move(values);
     }
   }
-  if (conventions.size() > 1) {
-    report.warnings.push_back(
-        absl::StrCat("scales in several naming conventions: ",
-                     absl::StrJoin(conventions, ", ")));
-  }
   if (layers.empty()) {
     report.errors.push_back(
         "no q/k/v scales found: vLLM would use 1.0 for every scale");
   }
 
-  const bool per_head_scheme = report.strategy == "attn_head";
-  uint32_t missing_q = 0;
-  bool any_per_head = false;
-  for (uint32_t l = 0; l < g.num_layers && !layers.empty(); ++l) {
-    auto it = layers.find(l);
-    for (int r = 0; r < 3; ++r) {
-      const InspectedScale* s =
-          it == layers.end() ? nullptr : &it->second.roles[r];
-      if (s == nullptr || s->tensor.empty()) {
-        if (r == 0) {
-          ++missing_q;
-        } else {
-          report.errors.push_back(
-              absl::StrCat("layer ", l, ": no ", kRoleNames[r],
-                           "_scale (vLLM would silently use 1.0)"));
-        }
-        continue;
-      }
-      for (float v : s->values) {
-        if (!std::isfinite(v) || v <= 0) {
-          report.errors.push_back(absl::StrCat(
-              s->tensor, " holds ", v, "; scales must be finite and > 0"));
-          break;
-        }
-      }
-      const uint32_t heads =
-          r == 0 ? g.num_attention_heads : g.num_key_value_heads;
-      const size_t n = s->values.size();
-      const bool per_head = n > 1 || (s->shape.size() == 3 && heads == 1);
-      any_per_head |= per_head;
-      if (per_head && n != heads && !(r == 0 && n == g.num_key_value_heads)) {
-        report.errors.push_back(
-            absl::StrCat(s->tensor, " has shape ", ShapeString(s->shape),
-                         " but config.json ", "gives ", heads, " ",
-                         kRoleNames[r], " heads"));
-      }
-      if (per_head && !per_head_scheme && !report.strategy.empty()) {
-        report.errors.push_back(absl::StrCat(
-            s->tensor, " is per head but kv_cache_scheme.strategy is '",
-            report.strategy, "'"));
-      }
-      if (!per_head && per_head_scheme) {
-        report.errors.push_back(
-            absl::StrCat(s->tensor,
-                         " is per tensor but kv_cache_scheme.strategy is "
-                         "'attn_head' (vLLM expects [heads, 1, 1])"));
-      }
-    }
-  }
-  for (const auto& [l, layer] : layers) {
-    if (l >= g.num_layers) {
-      report.errors.push_back(absl::StrCat("scales for layer ", l,
-                                           " but config.json has ",
-                                           g.num_layers, " layers"));
-    }
-  }
-  if (missing_q > 0) {
-    report.warnings.push_back(absl::StrCat(
-        missing_q,
-        " layer(s) have no q_scale: vLLM's compressed-tensors path "
-        "keeps 1.0 silently; the Fp8/ModelOpt/Quark path falls back to "
-        "k_scale"));
-  }
-  if (any_per_head) {
-    report.warnings.push_back(
-        "per-head scales: only vLLM's FlashAttention-3 backend consumes them; "
-        "every other FP8 backend needs per-tensor scales");
-  }
-  if (!layers.empty() && conventions.count("compressed-tensors") && !scheme) {
+  // What vLLM itself will do with them.
+  report.vllm_options = vllm;
+  report.vllm = PredictVllmLoad(config, g, scale_tensors, vllm);
+  if (!report.vllm.modelled) {
     report.errors.push_back(
-        "config.json has no quantization_config.kv_cache_scheme: vLLM will "
-        "not load the compressed-tensors scales");
+        absl::StrCat("quantization_config.quant_method '", report.quant_method,
+                     "': kvcal cannot predict what vLLM ", kVllmVersion,
+                     " does with these scales"));
   }
+  for (const std::string& r : report.vllm.refusals) {
+    report.errors.push_back(
+        absl::StrCat("vLLM ", kVllmVersion, " will not start: ", r));
+  }
+  for (const std::string& r : report.vllm.silent) {
+    report.errors.push_back(absl::StrCat("vLLM ", kVllmVersion, ": ", r));
+  }
+  for (const std::string& n : report.vllm.notes) report.warnings.push_back(n);
   for (auto& [l, layer] : layers) report.layers.push_back(layer);
   return report;
 }
@@ -298,6 +220,10 @@ Json InspectReport::ToJson() const {
     rows.push_back(std::move(row));
   }
   out["layers"] = std::move(rows);
+  Json vllm_json = vllm.ToJson();
+  vllm_json["platform"] = std::string(VllmPlatformName(vllm_options.platform));
+  vllm_json["kv_cache_dtype_flag"] = vllm_options.kv_cache_dtype;
+  out["vllm"] = std::move(vllm_json);
   out["errors"] = errors;
   out["warnings"] = warnings;
   return out;
@@ -310,28 +236,36 @@ std::string InspectReport::ToText() const {
       quant_method.empty() ? "none" : quant_method,
       strategy.empty() ? "" : absl::StrCat(", kv_cache_scheme ", strategy),
       "\n");
+  absl::StrAppend(
+      &out, "vLLM ", kVllmVersion, " (",
+      VllmPlatformName(vllm_options.platform), ", --kv-cache-dtype ",
+      vllm_options.kv_cache_dtype, "): ", vllm.method, ", KV cache ",
+      vllm.kv_cache_dtype, vllm.per_head ? ", per-head scales" : "",
+      vllm.backends.empty() ? "" : absl::StrCat("; starts on ", vllm.backends),
+      "\n");
   absl::StrAppend(&out,
-                  "layer  q_scale (min..max)       k_scale (min..max)       "
-                  "v_scale (min..max)\n");
-  for (const InspectedLayer& layer : layers) {
-    absl::StrAppend(&out, absl::StrFormat("%5u", layer.layer));
+                  "layer  q_scale vLLM uses        k_scale vLLM uses        "
+                  "v_scale vLLM uses\n");
+  for (const auto& [layer, roles] : vllm.layers) {
+    absl::StrAppend(&out, absl::StrFormat("%5u", layer));
     for (int r = 0; r < 3; ++r) {
-      const InspectedScale& s = layer.roles[r];
-      if (s.tensor.empty() || s.values.empty()) {
-        absl::StrAppend(&out, absl::StrFormat("  %-23s", "-"));
-        continue;
+      const VllmRoleOutcome& o = roles[r];
+      std::string cell;
+      if (!o.effective.empty()) {
+        float lo = o.effective[0], hi = o.effective[0];
+        for (float v : o.effective) {
+          lo = std::min(lo, v);
+          hi = std::max(hi, v);
+        }
+        cell = o.effective.size() == 1
+                   ? absl::StrFormat("%.4g", lo)
+                   : absl::StrFormat("%.3g..%.3g x%zu", lo, hi,
+                                     o.effective.size());
+        if (o.fate != "used") absl::StrAppend(&cell, " (", o.fate, ")");
+      } else {
+        cell = o.fate.empty() ? "-" : o.fate;
       }
-      float lo = s.values[0], hi = s.values[0];
-      for (float v : s.values) {
-        lo = std::min(lo, v);
-        hi = std::max(hi, v);
-      }
-      absl::StrAppend(
-          &out, absl::StrFormat("  %-23s",
-                                s.values.size() == 1
-                                    ? absl::StrFormat("%.4g", lo)
-                                    : absl::StrFormat("%.3g..%.3g x%zu", lo, hi,
-                                                      s.values.size())));
+      absl::StrAppend(&out, absl::StrFormat("  %-23s", cell));
     }
     absl::StrAppend(&out, "\n");
   }

@@ -5,13 +5,12 @@
 //   for (const std::string& e : report.errors) std::cerr << e << "\n";
 //   return report.errors.empty() ? 0 : 1;
 //
-// Lists the q/k/v scales per layer under every naming vLLM reads
-// (compressed-tensors `self_attn.{q,k,v}_scale` and `self_attn.attn.*`,
-// ModelOpt `{k,v}_proj.{k,v}_scale`, Quark/fp8 `{q,k,v}_proj.output_scale`),
-// checks every value is finite and > 0, that shapes agree with config.json
-// and its kv_cache_scheme, that every file the index names loads and holds
-// what the index says, and warns about what vLLM would do silently: a
-// missing q_scale stays 1.0, per-head scales only reach FlashAttention-3.
+// Lists the q/k/v scales per layer under every naming vLLM reads, checks
+// that every file the index names loads and holds what the index says, and
+// predicts what vLLM 0.34 does with the scales (vllm_rules.h): whether it
+// starts, on which attention backends, which scales it uses (per head: q
+// reduced per KV group; ROCm: doubled where it doubles), which it drops and
+// where it silently uses 1.0. Every such problem is an error.
 #ifndef KVCAL_CLIENT_CHECKPOINT_INSPECT_H_
 #define KVCAL_CLIENT_CHECKPOINT_INSPECT_H_
 
@@ -21,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/vllm_rules.h"
 #include "nlohmann/json.hpp"
 
 namespace kvcal {
@@ -44,6 +44,12 @@ struct InspectReport {
   std::string quant_method;  // of config.json's quantization_config
   std::string strategy;      // kv_cache_scheme.strategy, if any
   std::vector<InspectedLayer> layers;
+  // What vLLM 0.34 does with the scales (vllm_rules.h), under these options.
+  VllmLoadOptions vllm_options;
+  VllmPrediction vllm;
+  // Everything that makes `kvcal inspect` exit non-zero: unreadable files,
+  // and every way vLLM would refuse to start, drop a scale, use 1.0 for a
+  // missing one or use a value that is not finite and > 0.
   std::vector<std::string> errors;
   std::vector<std::string> warnings;
 
@@ -54,7 +60,8 @@ struct InspectReport {
 
 // Fails only when the checkpoint cannot be read at all (no config.json, no
 // tensor files); problems with the scales land in report.errors.
-absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir);
+absl::StatusOr<InspectReport> InspectCheckpoint(
+    const std::string& dir, const VllmLoadOptions& vllm = VllmLoadOptions());
 
 }  // namespace kvcal
 

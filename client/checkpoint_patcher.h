@@ -75,6 +75,9 @@ struct PatchReport {
   uint64_t bytes_verified = 0;
   // Set when an interrupted earlier patch was completed or rolled back first.
   std::string recovered;
+  // What vLLM 0.34 will do that the user should know: a role the scales
+  // file lacks (vLLM then uses 1.0), a flag vLLM needs, backends.
+  std::vector<std::string> warnings;
 };
 
 [[nodiscard]] absl::StatusOr<PatchReport> PatchCheckpoint(

@@ -65,8 +65,18 @@ struct Args {
   std::string scales;
   std::string out_dir;
   std::string target = "compressed-tensors";
+  // kvcal inspect: the vLLM run to predict.
+  std::string kv_cache_dtype = "auto";
+  std::string platform = "cuda";
   DemoArgs demo;
 };
+
+absl::StatusOr<VllmLoadOptions> InspectOptions(const Args& a) {
+  VllmLoadOptions options;
+  KVCAL_ASSIGN_OR_RETURN(options.platform, ParseVllmPlatform(a.platform));
+  options.kv_cache_dtype = a.kv_cache_dtype;
+  return options;
+}
 
 void AddConnection(CLI::App* app, ConnectionArgs& c) {
   app->add_option("--server", c.servers,
@@ -188,7 +198,8 @@ Json PatchJson(const PatchReport& r) {
           {"replaced_tensors", r.replaced_tensors},
           {"tensors_verified", r.tensors_verified},
           {"bytes_verified", r.bytes_verified},
-          {"recovered", r.recovered}};
+          {"recovered", r.recovered},
+          {"warnings", r.warnings}};
 }
 
 std::string PatchText(const PatchReport& r) {
@@ -199,6 +210,9 @@ std::string PatchText(const PatchReport& r) {
                   absl::StrJoin(r.files_written, ", "), "; verified ",
                   r.tensors_verified, " original tensors (", r.bytes_verified,
                   " bytes) byte for byte\n");
+  for (const std::string& w : r.warnings) {
+    absl::StrAppend(&out, "warning: ", w, "\n");
+  }
   return out;
 }
 
@@ -285,7 +299,9 @@ absl::StatusOr<CommandResult> RunPatch(const Args& a) {
 }
 
 absl::StatusOr<CommandResult> RunInspect(const Args& a) {
-  KVCAL_ASSIGN_OR_RETURN(InspectReport report, InspectCheckpoint(a.checkpoint));
+  KVCAL_ASSIGN_OR_RETURN(VllmLoadOptions options, InspectOptions(a));
+  KVCAL_ASSIGN_OR_RETURN(InspectReport report,
+                         InspectCheckpoint(a.checkpoint, options));
   if (!a.json) std::cout << report.ToText();
   return CommandResult{report.ToJson(), report.ok() ? 0 : 1};
 }
@@ -316,8 +332,12 @@ absl::StatusOr<CommandResult> RunCalibrate(Args a) {
                                           .out_dir = a.out_dir,
                                           .target = target}));
   if (!a.json) std::cout << PatchText(report);
+  // A Quark model needs --kv-cache-dtype fp8 (the patch says so); predict
+  // that run.
+  VllmLoadOptions vllm;
+  if (target == PatchTarget::kQuark) vllm.kv_cache_dtype = "fp8";
   KVCAL_ASSIGN_OR_RETURN(InspectReport inspect,
-                         InspectCheckpoint(report.output_dir));
+                         InspectCheckpoint(report.output_dir, vllm));
   if (!a.json) std::cout << inspect.ToText();
   return CommandResult{Json{{"session", SessionJson(s)},
                             {"push", PushJson(p)},
@@ -402,6 +422,14 @@ int Main(int argc, char** argv) {
       "check a checkpoint's KV-cache scales the way vLLM reads them");
   inspect->add_option("MODEL_DIR", a.checkpoint, "checkpoint directory")
       ->required();
+  inspect
+      ->add_option("--kv-cache-dtype", a.kv_cache_dtype,
+                   "the --kv-cache-dtype vLLM will run with (auto, fp8, ...)")
+      ->capture_default_str();
+  inspect
+      ->add_option("--platform", a.platform,
+                   "cuda, or rocm (fp8 e4m3fnuz hardware such as MI300)")
+      ->capture_default_str();
   json_flag(inspect);
 
   CLI::App* calibrate = app.add_subcommand(

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/element_math.h"
 #include "kernels/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -385,6 +386,24 @@ absl::Status SyncDirectory(const std::string& path) {
   if (fd.get() < 0) return ErrnoError("cannot open directory", path);
   if (::fsync(fd.get()) != 0) return ErrnoError("cannot fsync directory", path);
   return absl::OkStatus();
+}
+
+std::optional<std::vector<float>> SafetensorsFile::ReadFloats(
+    const TensorInfo& t) const {
+  absl::Span<const std::byte> data = Data(t);
+  std::vector<float> values(t.elements());
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (t.dtype == "F32") {
+      std::memcpy(&values[i], data.data() + 4 * i, 4);
+    } else if (t.dtype == "F16" || t.dtype == "BF16") {
+      uint16_t bits;
+      std::memcpy(&bits, data.data() + 2 * i, 2);
+      values[i] = t.dtype == "F16" ? DecodeF16(bits) : DecodeBf16(bits);
+    } else {
+      return std::nullopt;
+    }
+  }
+  return values;
 }
 
 }  // namespace kvcal

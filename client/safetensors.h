@@ -79,6 +79,9 @@ class SafetensorsFile {
   }
   const TensorInfo* Find(absl::string_view name) const;
   absl::Span<const std::byte> Data(const TensorInfo& tensor) const;
+  // The values of an F32, F16 or BF16 tensor as floats; nullopt for any
+  // other dtype.
+  std::optional<std::vector<float>> ReadFloats(const TensorInfo& tensor) const;
   uint64_t file_size() const { return size_; }
 
  private:

@@ -387,13 +387,24 @@ TEST_F(PatcherTest, ModelOptTargetNamesAndConfig) {
   auto shard =
       SafetensorsFile::Open(dir_ / "model/kvcal-kv-scales.safetensors");
   ASSERT_TRUE(shard.ok());
-  EXPECT_EQ(shard->tensors().size(), 6u);  // k and v only
-  const TensorInfo* k = shard->Find("model.layers.1.self_attn.k_proj.k_scale");
-  ASSERT_NE(k, nullptr);
-  EXPECT_TRUE(k->shape.empty());
-  EXPECT_NE(shard->Find("model.layers.1.self_attn.v_proj.v_scale"), nullptr);
+  EXPECT_EQ(shard->tensors().size(), 9u);
+  // ModelOpt's names for k and v; q under the name vLLM's common mapper
+  // loads (base_config.py QuantizationConfig.get_cache_scale_mapper). All
+  // scalars (kv_cache.py KVCacheScaleParameter.weight_loader).
+  for (const char* name : {"model.layers.1.self_attn.k_proj.k_scale",
+                           "model.layers.1.self_attn.v_proj.v_scale",
+                           "model.layers.1.self_attn.q_scale"}) {
+    const TensorInfo* t = shard->Find(name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_TRUE(t->shape.empty()) << name;
+  }
+  // The flat config.json form: modelopt.py from_config reads the KV method
+  // from a kv_cache_scheme dict only, and the dtype resolver
+  // (torch_utils.py get_kv_cache_quant_algo_string) makes it an fp8 cache.
   Json q = ReadJson(dir_ / "model/config.json")["quantization_config"];
-  EXPECT_EQ(q["kv_cache_quant_algo"], "FP8");
+  EXPECT_EQ(q["kv_cache_scheme"]["type"], "float");
+  EXPECT_EQ(q["kv_cache_scheme"]["num_bits"], 8);
+  EXPECT_EQ(q["kv_cache_scheme"]["dynamic"], false);
   EXPECT_EQ(q["quant_algo"], "FP8");
   auto inspect = InspectCheckpoint(dir_ / "model");
   ASSERT_TRUE(inspect.ok());
@@ -403,9 +414,15 @@ TEST_F(PatcherTest, ModelOptTargetNamesAndConfig) {
 TEST_F(PatcherTest, QuarkTargetNamesAndConfig) {
   MakeModel(SmallModel(/*sharded=*/false));
   Json config = ReadJson(dir_ / "model/config.json");
+  const Json global = {{"weight", {{"dtype", "fp8_e4m3"}}},
+                       {"input_tensors", {{"dtype", "fp8_e4m3"}}},
+                       {"output_tensors", nullptr}};
   config["quantization_config"] = {
       {"quant_method", "quark"},
-      {"export", {{"kv_cache_group", Json::array()}}}};
+      {"global_quant_config", global},
+      {"layer_quant_config", Json::object()},
+      {"export",
+       {{"kv_cache_group", Json::array()}, {"pack_method", "reorder"}}}};
   WriteFile(dir_ / "model/config.json", config.dump(2));
   const std::string scales = WriteScales(
       MakeScales(model_, Granularity::kPerTensor, 0.01f), "scales.safetensors");
@@ -419,11 +436,33 @@ TEST_F(PatcherTest, QuarkTargetNamesAndConfig) {
                          "_proj.output_scale"),
               nullptr);
   }
-  EXPECT_EQ(
-      ReadJson(dir_ /
-               "model/config.json")["quantization_config"]["kv_cache_group"],
-      Json({"*k_proj", "*v_proj"}));
-  auto inspect = InspectCheckpoint(dir_ / "model");
+  // quark.py QuarkConfig.from_config reads export.kv_cache_group and takes
+  // the scheme from the layer_quant_config entries it matches
+  // (QuarkKVCacheMethod.validate_kv_cache_config: fp8_e4m3, per_tensor); a
+  // new entry copies the global config so the layers' weights stay as they
+  // were.
+  Json q = ReadJson(dir_ / "model/config.json")["quantization_config"];
+  EXPECT_EQ(q["export"]["kv_cache_group"], Json({"*k_proj", "*v_proj"}));
+  EXPECT_EQ(q["export"]["pack_method"], "reorder");
+  EXPECT_FALSE(q.contains("kv_cache_group"));
+  for (const char* p : {"*k_proj", "*v_proj"}) {
+    const Json& entry = q["layer_quant_config"][p];
+    EXPECT_EQ(entry["weight"], global["weight"]) << p;
+    EXPECT_EQ(entry["input_tensors"], global["input_tensors"]) << p;
+    EXPECT_EQ(entry["output_tensors"]["dtype"], "fp8_e4m3") << p;
+    EXPECT_EQ(entry["output_tensors"]["qscheme"], "per_tensor") << p;
+  }
+  EXPECT_EQ(q["global_quant_config"], global);
+  // Nothing in vLLM switches a Quark model's cache to fp8: with the default
+  // --kv-cache-dtype auto the scales are ignored, and inspect says so.
+  auto by_default = InspectCheckpoint(dir_ / "model");
+  ASSERT_TRUE(by_default.ok());
+  EXPECT_FALSE(by_default->ok());
+  EXPECT_THAT(by_default->errors,
+              ::testing::Contains(HasSubstr("--kv-cache-dtype fp8")));
+  VllmLoadOptions fp8;
+  fp8.kv_cache_dtype = "fp8";
+  auto inspect = InspectCheckpoint(dir_ / "model", fp8);
   ASSERT_TRUE(inspect.ok());
   EXPECT_TRUE(inspect->ok()) << inspect->ToText();
 }
@@ -620,8 +659,14 @@ TEST_F(PatcherTest, InspectFlagsMissingAndBadScales) {
   ASSERT_TRUE(PatchCheckpoint(Options(WriteScales(s, "s.safetensors"))).ok());
   auto report = InspectCheckpoint(dir_ / "model");
   ASSERT_TRUE(report.ok());
-  EXPECT_TRUE(report->ok()) << report->ToText();
-  EXPECT_THAT(report->warnings, ::testing::Contains(HasSubstr("no q_scale")));
+  // compressed-tensors keeps 1.0 for a missing q without a word
+  // (CompressedTensorsKVCacheMethod.create_weights/process_weights_after_
+  // loading): inspect fails on it.
+  EXPECT_FALSE(report->ok()) << report->ToText();
+  EXPECT_THAT(report->errors,
+              ::testing::Contains(HasSubstr("layer 1 has no q_scale")));
+  EXPECT_EQ(report->vllm.layers.at(1)[0].fate, "missing: 1.0");
+  EXPECT_EQ(report->vllm.layers.at(0)[0].fate, "used");
 
   // A zero scale written by someone else is an error.
   auto file = SafetensorsFile::Open(dir_ / "model/model.safetensors");
@@ -642,7 +687,7 @@ TEST_F(PatcherTest, InspectFlagsMissingAndBadScales) {
   ASSERT_TRUE(report.ok());
   EXPECT_FALSE(report->ok());
   EXPECT_THAT(report->errors,
-              ::testing::Contains(HasSubstr("v_scale holds 0")));
+              ::testing::Contains(HasSubstr("v_scale holds [0]")));
 }
 
 }  // namespace
