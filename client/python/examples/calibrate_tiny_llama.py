@@ -23,7 +23,6 @@ import transformers
 
 import kvcal
 import kvcal.torch
-import kvcal.vllm
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
@@ -88,9 +87,9 @@ def main():
         scales = client.finalize(observer="static_minmax", granularity="head")
         scales_path = os.path.join(out, "scales.safetensors")
         scales.save(scales_path)
-        engine = kvcal.vllm.scales_for_vllm(scales)
         print(f"layer 0 k_scale per KV head: {scales['model.layers.0.self_attn.k_scale'].reshape(-1)}")
-        print(f"{len(engine)} vLLM attention tensors, e.g. model.layers.0.self_attn.attn.k_scale")
+        # A running vLLM engine takes them with
+        # kvcal.vllm.update_attention_scales(model, scales) (client/python/README.md).
         client.delete()
     finally:
         if worker is not None:

@@ -9,7 +9,8 @@
             model(input_ids)                      # one forward = one batch
     scales = client.finalize(observer="static_minmax", granularity="head")
     scales.save("scales.safetensors")             # then: kvcal patch --checkpoint M --scales ...
-    engine_scales = kvcal.vllm.scales_for_vllm(scales)   # for a running vLLM engine
+    # In a running vLLM engine (an RL loop recalibrating every step):
+    #   kvcal.vllm.update_attention_scales(model, scales)
 
 kvcal.torch and kvcal.vllm import torch; the rest needs only grpcio,
 protobuf and numpy.
