@@ -87,8 +87,15 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
                                      "): ", extent.status().message()));
   }
   std::shared_lock<std::shared_mutex> state_lock(state_mu_);
-  if (sequence == 0) return IngestOutcome{false, 0};  // never registers
   Producer* producer = FindProducer(producer_name, false);
+  if (sequence == 0) {
+    // Always a duplicate: acknowledged with the producer's watermark (0 for
+    // a producer the session does not know, which it does not register).
+    if (producer == nullptr) return IngestOutcome{false, 0};
+    std::lock_guard<std::mutex> lock(producer->mu);
+    return IngestOutcome{false, producer->watermark,
+                         producer->durable_watermark};
+  }
   if (producer == nullptr) {
     if (sequence != 1) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -319,7 +319,21 @@ TEST_F(WorkerTest, ExactlyOnceWithDuplicatesAndResends) {
   ASSERT_TRUE(z.status.ok());
   ASSERT_EQ(z.responses.size(), 1u);
   EXPECT_FALSE(z.responses[0].applied());
+  EXPECT_EQ(z.responses[0].watermark(), 0u);
   EXPECT_EQ(Get("s").producers_size(), 1);
+  EXPECT_EQ(Export("s"), state);
+
+  // From a known producer it is acknowledged with that producer's watermark
+  // (CONTRACT.md: a duplicate is acknowledged with the producer's watermark).
+  auto known = Workload("s", 1, 1);
+  known.resize(1);
+  known[0].set_producer_id(chunks[0].producer_id());
+  known[0].set_sequence(0);
+  StreamResult k = IngestAll(stub_.get(), known);
+  ASSERT_TRUE(k.status.ok());
+  ASSERT_EQ(k.responses.size(), 1u);
+  EXPECT_FALSE(k.responses[0].applied());
+  EXPECT_EQ(k.responses[0].watermark(), chunks.size());
   EXPECT_EQ(Export("s"), state);
 }
 
