@@ -1,15 +1,14 @@
 #include "client/checkpoint_patcher.h"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <regex>
 #include <set>
@@ -35,22 +34,57 @@ constexpr char kJournalName[] = "COMMIT";
 constexpr char kConfigName[] = "config.json";
 constexpr char kSingleFileName[] = "model.safetensors";
 
-// The test hook: KVCAL_PATCH_CRASH_AT=N kills the process at the N-th step.
-class CrashPoints {
+// Numbers the steps of a patch and hands each to the caller's hook (a test
+// seam: the fault-injection test kills the process at a chosen step).
+class Steps {
  public:
-  CrashPoints() {
-    if (const char* env = std::getenv("KVCAL_PATCH_CRASH_AT")) {
-      crash_at_ = std::atoi(env);
-    }
-  }
+  explicit Steps(const std::function<void(int)>& hook) : hook_(hook) {}
   void Step() {
     ++step_;
-    if (crash_at_ > 0 && step_ == crash_at_) ::raise(SIGKILL);
+    if (hook_) hook_(step_);
   }
 
  private:
-  int crash_at_ = 0;
+  const std::function<void(int)>& hook_;
   int step_ = 0;
+};
+
+// The commit journal: the files to rename from the staging directory into
+// the checkpoint, in order. Written at the commit point; read by recovery.
+struct PatchJournal {
+  std::vector<std::string> renames;
+
+  std::string Serialize() const {
+    return Json{{"renames", renames}}.dump() + "\n";
+  }
+  static absl::StatusOr<PatchJournal> Parse(const fs::path& path) {
+    auto corrupt = [&](absl::string_view what) {
+      return absl::DataLossError(absl::StrCat(
+          path.string(), ": the journal of an interrupted kvcal patch is ",
+          what,
+          "; the checkpoint may be half patched: compare it with a copy or "
+          "restore it, then remove the .kvcal-patch directory"));
+    };
+    KVCAL_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path.string()));
+    Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (json.is_discarded() || !json.is_object()) {
+      return corrupt("not a JSON object");
+    }
+    auto it = json.find("renames");
+    if (it == json.end() || !it->is_array() || it->empty()) {
+      return corrupt("missing its list of renames");
+    }
+    PatchJournal journal;
+    for (const Json& name : *it) {
+      if (!name.is_string() ||
+          !CheckShardFileName(name.get<std::string>()).ok()) {
+        return corrupt(absl::StrCat("naming ", name.dump(),
+                                    ", not a file of the checkpoint"));
+      }
+      journal.renames.push_back(name.get<std::string>());
+    }
+    return journal;
+  }
 };
 
 absl::Status FsError(absl::string_view what, const std::error_code& ec) {
@@ -574,15 +608,12 @@ absl::StatusOr<std::string> RecoverInterruptedPatch(
   const fs::path journal = staging / kJournalName;
   std::string what;
   if (fs::exists(journal, ec)) {
-    KVCAL_ASSIGN_OR_RETURN(Json renames, ReadJsonFile(journal));
-    if (!renames.contains("renames") || !renames["renames"].is_array()) {
-      return absl::DataLossError(
-          absl::StrCat(journal.string(), ": journal has no renames"));
-    }
-    for (const Json& name : renames["renames"]) {
-      const fs::path from = staging / name.get<std::string>();
+    KVCAL_ASSIGN_OR_RETURN(PatchJournal committed,
+                           PatchJournal::Parse(journal));
+    for (const std::string& name : committed.renames) {
+      const fs::path from = staging / name;
       if (fs::exists(from, ec)) {
-        KVCAL_RETURN_IF_ERROR(Rename(from, dir / name.get<std::string>()));
+        KVCAL_RETURN_IF_ERROR(Rename(from, dir / name));
       }
     }
     KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));
@@ -597,7 +628,7 @@ absl::StatusOr<std::string> RecoverInterruptedPatch(
 }
 
 absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
-  CrashPoints crash;
+  Steps crash(options.on_step);
   PatchReport report;
   const fs::path dir(options.checkpoint_dir);
   std::error_code ec;
@@ -833,27 +864,25 @@ absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
 
   // Commit.
   if (in_place) {
-    Json journal = {{"renames", Json::array()}};
+    PatchJournal journal;
     for (const FilePlan& plan : plans) {
-      if (plan.name != kScalesShardName) continue;
-      journal["renames"].push_back(plan.name);  // the new shard: unreferenced
+      // The new shard first: nothing references it yet.
+      if (plan.name == kScalesShardName) journal.renames.push_back(plan.name);
     }
     for (const FilePlan& plan : plans) {
-      if (plan.name != kScalesShardName)
-        journal["renames"].push_back(plan.name);
+      if (plan.name != kScalesShardName) journal.renames.push_back(plan.name);
     }
-    if (report.sharded) journal["renames"].push_back(kIndexName);
-    journal["renames"].push_back(kConfigName);
+    if (report.sharded) journal.renames.push_back(kIndexName);
+    journal.renames.push_back(kConfigName);
     KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
     const fs::path journal_tmp = staging / "COMMIT.tmp";
     KVCAL_RETURN_IF_ERROR(
-        WriteFileSynced(journal_tmp.string(), journal.dump() + "\n"));
+        WriteFileSynced(journal_tmp.string(), journal.Serialize()));
     KVCAL_RETURN_IF_ERROR(Rename(journal_tmp, staging / kJournalName));
     KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
     crash.Step();  // committed: from here on, recovery rolls forward
-    for (const Json& name : journal["renames"]) {
-      KVCAL_RETURN_IF_ERROR(Rename(staging / name.get<std::string>(),
-                                   dir / name.get<std::string>()));
+    for (const std::string& name : journal.renames) {
+      KVCAL_RETURN_IF_ERROR(Rename(staging / name, dir / name));
       crash.Step();
     }
     KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));

@@ -23,12 +23,14 @@
 // RecoverInterruptedPatch completes the renames. With out_dir, the patched
 // copy is built in OUT_DIR.kvcal-partial and renamed to OUT_DIR at the end.
 //
-// Test hook: with KVCAL_PATCH_CRASH_AT=N in the environment, the process
-// kills itself (SIGKILL) at the N-th step, simulating `kill -9` there.
+// A corrupt journal is a DATA_LOSS error that says what to do, never a
+// crash. PatchOptions::on_step is a test seam: the fault-injection test kills
+// the process at each step in turn.
 #ifndef KVCAL_CLIENT_CHECKPOINT_PATCHER_H_
 #define KVCAL_CLIENT_CHECKPOINT_PATCHER_H_
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -60,6 +62,8 @@ struct PatchOptions {
   // Empty: patch in place.
   std::string out_dir;
   PatchTarget target = PatchTarget::kCompressedTensors;
+  // Called with 1, 2, ... at each step of the patch (tests only).
+  std::function<void(int step)> on_step;
 };
 
 struct PatchReport {

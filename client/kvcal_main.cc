@@ -292,7 +292,8 @@ absl::StatusOr<CommandResult> RunPatch(const Args& a) {
   PatchOptions options{.checkpoint_dir = a.checkpoint,
                        .scales_path = a.scales,
                        .out_dir = a.out_dir,
-                       .target = target};
+                       .target = target,
+                       .on_step = {}};
   KVCAL_ASSIGN_OR_RETURN(PatchReport report, PatchCheckpoint(options));
   if (!a.json) std::cout << PatchText(report);
   return CommandResult{PatchJson(report)};
@@ -330,7 +331,8 @@ absl::StatusOr<CommandResult> RunCalibrate(Args a) {
                          PatchCheckpoint({.checkpoint_dir = a.checkpoint,
                                           .scales_path = a.output,
                                           .out_dir = a.out_dir,
-                                          .target = target}));
+                                          .target = target,
+                                          .on_step = {}}));
   if (!a.json) std::cout << PatchText(report);
   // A Quark model needs --kv-cache-dtype fp8 (the patch says so); predict
   // that run.

@@ -580,8 +580,11 @@ std::string DifferingFiles(const std::map<std::string, std::string>& a,
 bool PatchInChildCrashingAt(int step, const PatchOptions& options) {
   const pid_t pid = fork();
   if (pid == 0) {
-    setenv("KVCAL_PATCH_CRASH_AT", std::to_string(step).c_str(), 1);
-    _exit(PatchCheckpoint(options).ok() ? 0 : 3);
+    PatchOptions crashing = options;
+    crashing.on_step = [step](int at) {
+      if (at == step) ::raise(SIGKILL);
+    };
+    _exit(PatchCheckpoint(crashing).ok() ? 0 : 3);
   }
   int status = 0;
   waitpid(pid, &status, 0);
@@ -617,6 +620,13 @@ TEST_P(FaultInjectionTest, KillAtEveryStepLeavesLoadableCheckpoint) {
     if (PatchInChildCrashingAt(step, Options(scales))) break;
     ++crashes;
     const bool committed = fs::exists(dir_ / "model/.kvcal-patch/COMMIT");
+    // Whatever the step, inspect names the interrupted patch first.
+    if (fs::exists(dir_ / "model/.kvcal-patch")) {
+      auto inspect = InspectCheckpoint(dir_ / "model");
+      ASSERT_TRUE(inspect.ok()) << inspect.status();
+      ASSERT_FALSE(inspect->errors.empty());
+      EXPECT_THAT(inspect->errors[0], HasSubstr("interrupted kvcal patch"));
+    }
     // Loadable right after the kill: every file the index names parses and
     // holds its tensors; every original tensor is there, byte for byte.
     ExpectOriginalTensorsIdentical(dir_ / "pristine", dir_ / "model");
@@ -646,6 +656,26 @@ INSTANTIATE_TEST_SUITE_P(ShardedAndSingleFile, FaultInjectionTest,
                          [](const ::testing::TestParamInfo<bool>& param) {
                            return param.param ? "Sharded" : "SingleFile";
                          });
+
+TEST_F(PatcherTest, CorruptJournalIsAClearErrorNotACrash) {
+  MakeModel(SmallModel(/*sharded=*/true));
+  const std::string scales = WriteScales(
+      MakeScales(model_, Granularity::kPerTensor, 0.01f), "scales.safetensors");
+  fs::create_directories(dir_ / "model/.kvcal-patch");
+  for (const std::string& journal :
+       {std::string("not json"), std::string("{\"renames\": [1, 2]}"),
+        std::string("{\"renames\": [\"../../etc/passwd\"]}"),
+        std::string("{\"renames\": []}"), std::string("[]")}) {
+    SCOPED_TRACE(journal);
+    WriteFile(dir_ / "model/.kvcal-patch/COMMIT", journal);
+    const auto before = Snapshot(dir_ / "model", "\x01");
+    EXPECT_THAT(RecoverInterruptedPatch(dir_ / "model").status(),
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("journal")));
+    EXPECT_THAT(PatchCheckpoint(Options(scales)).status(),
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("journal")));
+    EXPECT_TRUE(Snapshot(dir_ / "model", "\x01") == before);
+  }
+}
 
 TEST_F(PatcherTest, InspectFlagsMissingAndBadScales) {
   MakeModel(SmallModel(/*sharded=*/false));

@@ -196,7 +196,8 @@ class TargetConformanceTest : public ::testing::TestWithParam<Case> {
     return PatchCheckpoint({.checkpoint_dir = dir_ / "model",
                             .scales_path = dir_ / "scales.safetensors",
                             .out_dir = dir_ / "out",
-                            .target = target_});
+                            .target = target_,
+                            .on_step = {}});
   }
   // What vLLM can load at all (the patcher refuses everything else).
   bool Loadable() const {
@@ -409,7 +410,9 @@ TEST(QPerKvGroupTest, IsRefusedBecauseVllmReducesQItself) {
   const auto before = Snapshot(dir / "model");
   EXPECT_THAT(PatchCheckpoint({.checkpoint_dir = dir / "model",
                                .scales_path = dir / "s.safetensors",
-                               .out_dir = ""})
+                               .out_dir = "",
+                               .target = PatchTarget::kCompressedTensors,
+                               .on_step = {}})
                   .status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("--q-per-kv-group")));
@@ -432,7 +435,8 @@ TEST(ModelOptNestedTest, SetsQuantizationKvCacheQuantAlgo) {
   auto report = PatchCheckpoint({.checkpoint_dir = dir / "model",
                                  .scales_path = dir / "s.safetensors",
                                  .out_dir = "",
-                                 .target = PatchTarget::kModelOpt});
+                                 .target = PatchTarget::kModelOpt,
+                                 .on_step = {}});
   ASSERT_TRUE(report.ok()) << report.status();
   const Json q =
       Json::parse(ReadFile(dir / "model/config.json"))["quantization_config"];
@@ -460,7 +464,8 @@ TEST(QuarkWithoutExportTest, IsRefusedAndNothingChanges) {
       PatchCheckpoint({.checkpoint_dir = dir / "model",
                        .scales_path = dir / "s.safetensors",
                        .out_dir = "",
-                       .target = PatchTarget::kQuark})
+                       .target = PatchTarget::kQuark,
+                       .on_step = {}})
           .status(),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("'export'")));
   EXPECT_TRUE(Snapshot(dir / "model") == before);

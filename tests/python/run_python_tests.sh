@@ -3,7 +3,9 @@
 # the repository root, creating it and installing what is missing first.
 # `./run test` calls this after ctest. Quiet and idempotent: requirements are
 # installed again only when requirements.txt changes (a stamp holds its hash),
-# the kvcal package only when client/python or proto/ changes.
+# vLLM's wheel (.venv/vllm-VERSION/, for test_vllm_own_code.py) only when
+# requirements-vllm.txt changes, the kvcal package only when client/python or
+# proto/ changes.
 #
 #   tests/python/run_python_tests.sh [pytest args...]
 #
@@ -60,6 +62,35 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   echo "$want" >"$stamp"
   log "requirements installed in $((SECONDS - start)) s"
+fi
+
+# vLLM's own code for test_vllm_own_code.py: the wheel from PyPI and the few
+# packages its imports need (requirements-vllm.txt), unpacked with --no-deps
+# into a directory of their own that only that test's child process puts on
+# sys.path; never into .venv's site-packages, where vLLM's dependency set
+# would replace the pinned torch stack. ~240 MB to download, ~600 MB on disk.
+# A failed install is an error under CI=true; elsewhere the test skips, saying
+# why.
+VLLM_REQ="$ROOT/tests/python/requirements-vllm.txt"
+VLLM_VERSION="$(sed -n 's/^vllm==\([^[:space:]]*\).*/\1/p' "$VLLM_REQ")"
+[ -n "$VLLM_VERSION" ] || die "no vllm==VERSION line in $VLLM_REQ"
+VLLM_DIR="$VENV/vllm-$VLLM_VERSION"
+vllm_stamp="$VLLM_DIR/.kvcal-requirements.sha256"
+vllm_want="$(hash_of "$VLLM_REQ")"
+if [ "$(cat "$vllm_stamp" 2>/dev/null)" != "$vllm_want" ]; then
+  log "installing vLLM $VLLM_VERSION's wheel (no dependencies) into $VLLM_DIR (~240 MB download)"
+  start=$SECONDS
+  rm -rf "$VLLM_DIR.partial"
+  if "$PY" -m pip install -q --no-deps --only-binary=:all: --target "$VLLM_DIR.partial" -r "$VLLM_REQ"; then
+    echo "$vllm_want" >"$VLLM_DIR.partial/.kvcal-requirements.sha256"
+    rm -rf "$VLLM_DIR"
+    mv "$VLLM_DIR.partial" "$VLLM_DIR"
+    log "vLLM installed in $((SECONDS - start)) s"
+  else
+    rm -rf "$VLLM_DIR.partial"
+    [ "${CI:-}" = "true" ] && die "pip install --target $VLLM_DIR -r $VLLM_REQ failed"
+    log "warning: pip could not install $VLLM_REQ; test_vllm_own_code.py will skip"
+  fi
 fi
 
 pkg_stamp="$VENV/.kvcal-package.sha256"
