@@ -10,7 +10,8 @@
 #   tests/python/run_python_tests.sh [pytest args...]
 #
 # KVCAL_PYTHON picks the interpreter for a new venv (default python3);
-# KVCAL_BUILD_DIR the build with service/kvcal-worker (default build/).
+# KVCAL_BUILD_DIR the build with service/kvcal-worker (default build/);
+# KVCAL_VLLM_DIR where vLLM's wheel is unpacked (default .venv/vllm-VERSION).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -74,7 +75,9 @@ fi
 VLLM_REQ="$ROOT/tests/python/requirements-vllm.txt"
 VLLM_VERSION="$(sed -n 's/^vllm==\([^[:space:]]*\).*/\1/p' "$VLLM_REQ")"
 [ -n "$VLLM_VERSION" ] || die "no vllm==VERSION line in $VLLM_REQ"
-VLLM_DIR="$VENV/vllm-$VLLM_VERSION"
+# KVCAL_VLLM_DIR puts it elsewhere (test_vllm_own_code.py reads it too).
+export KVCAL_VLLM_DIR="${KVCAL_VLLM_DIR:-$VENV/vllm-$VLLM_VERSION}"
+VLLM_DIR="$KVCAL_VLLM_DIR"
 vllm_stamp="$VLLM_DIR/.kvcal-requirements.sha256"
 vllm_want="$(hash_of "$VLLM_REQ")"
 if [ "$(cat "$vllm_stamp" 2>/dev/null)" != "$vllm_want" ]; then
