@@ -231,7 +231,8 @@ void CheckModelOpt(const Json& qc, MethodFacts& facts, VllmPrediction& p) {
     if (dynamic != nullptr && dynamic->is_boolean() && !dynamic->get<bool>() &&
         IsNumber(Member(*kv, "num_bits"), 8) &&
         StringMember(*kv, "type") == "float") {
-      facts.cache_from_config = "fp8";
+      // The dict becomes "fp8", which the string map turns into fp8_e4m3.
+      facts.cache_from_config = "fp8_e4m3";
     } else if (IsNumber(Member(*kv, "num_bits"), 4)) {
       facts.cache_from_config = "nvfp4";
     }
@@ -722,6 +723,14 @@ VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
     out[0].effective = {q};
     out[1].effective = {k};
     out[2].effective = {v};
+    if (layer == 0 && p.kv_cache_dtype == "fp8") {
+      p.notes.push_back(absl::StrCat(
+          "vLLM logs \"Using uncalibrated q_scale ... and/or prob_scale 1.0 "
+          "with fp8 attention\": the checkpoint has no prob_scale (the "
+          "softmax probabilities' scale, which kvcal does not calibrate), so "
+          "vLLM uses 1.0 for it (",
+          kBaseProcess, ")"));
+    }
     if (rocm && !warned_rocm) {
       warned_rocm = true;
       p.notes.push_back(absl::StrCat(

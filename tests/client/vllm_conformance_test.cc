@@ -629,7 +629,9 @@ TEST(VllmRulesTest, BaseKvCacheMethodValueRules) {
   VllmPrediction p = PredictVllmLoad(ModelOptFlat(true), kGeometry,
                                      BaseTensors(0.3f, 0.2f, 0.1f), {});
   EXPECT_TRUE(p.clean()) << All(p);
-  EXPECT_EQ(p.kv_cache_dtype, "fp8");
+  // torch_utils.py get_kv_cache_quant_algo_string: the dict becomes "fp8",
+  // then MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP makes it fp8_e4m3.
+  EXPECT_EQ(p.kv_cache_dtype, "fp8_e4m3");
   EXPECT_EQ(p.layers.at(1)[0].effective, std::vector<float>{0.3f});
 
   // v missing: silently k for both.
