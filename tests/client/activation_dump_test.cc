@@ -1,6 +1,11 @@
 #include "client/activation_dump.h"
 
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
 
 #include "client/demo_model.h"
 #include "client/safetensors.h"
@@ -14,6 +19,26 @@ namespace {
 using ::kvcal::testing::StatusIs;
 using ::kvcal::testing::TempDir;
 using ::testing::HasSubstr;
+
+// True when [data, data + size) lies inside one mapping of the file `path`
+// in this process (/proc/self/maps: "start-end perms offset dev inode path").
+bool InsideMappingOf(const std::string& path,
+                     absl::Span<const std::byte> data) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  const auto begin = reinterpret_cast<uintptr_t>(data.data());
+  const auto end = begin + data.size();
+  while (std::getline(maps, line)) {
+    const size_t slash = line.find('/');
+    if (slash == std::string::npos || line.substr(slash) != path) continue;
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) == 2 && lo <= begin &&
+        end <= hi) {
+      return true;
+    }
+  }
+  return false;
+}
 
 TEST(ActivationDumpTest, ReadsDemoDumpsInNameOrderWithoutCopying) {
   TempDir dir;
@@ -38,7 +63,13 @@ TEST(ActivationDumpTest, ReadsDemoDumpsInNameOrderWithoutCopying) {
   uint64_t bytes = 0;
   for (const DumpTensor& t : dump->tensors()) bytes += t.data.size();
   EXPECT_EQ(bytes, dump->total_bytes());
-  // The span points into the mapped file: same bytes as a fresh read.
+  // Nothing is copied: every span lies inside a mapping of its own file
+  // (/proc/self/maps), not in heap memory.
+  for (const DumpTensor& t : dump->tensors()) {
+    const std::string path = std::filesystem::canonical(dir / t.file).string();
+    EXPECT_TRUE(InsideMappingOf(path, t.data)) << t.file << " " << t.name;
+  }
+  // And the bytes are the file's.
   auto file = SafetensorsFile::Open(dir / "batch-0002.safetensors");
   ASSERT_TRUE(file.ok());
   auto data = file->Data(*file->Find("model.layers.1.self_attn.v"));

@@ -179,8 +179,12 @@ TEST(StatisticsSerializationTest, ResealedCorruptionsNeverCrash) {
         EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
       }
     }
-    // Most corruptions of counts, bins and ordering are caught.
-    EXPECT_LT(parsed, 4000);
+    // The structural checks catch a share that a parser checking nothing
+    // (every resealed state parses) cannot reach. Seeded: measured 1818 of
+    // 4000 parsed without histograms (a byte of a float value often makes
+    // another valid state) and 269 with 16 bins per octave (bin counts must
+    // add up).
+    EXPECT_LE(parsed, bins == 0 ? 2400 : 800) << "bins " << bins;
   }
 }
 

@@ -90,6 +90,17 @@ class WorkerProcess {
     std::ifstream in(dir_ / "worker.log");
     return std::string(std::istreambuf_iterator<char>(in), {});
   }
+  // Waits until the log holds `text` (an event the worker logs); false after
+  // `timeout`.
+  bool WaitForLog(const std::string& text, std::chrono::milliseconds timeout =
+                                               std::chrono::seconds(10)) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (ReadLog().find(text) == std::string::npos) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return true;
+  }
 
   std::shared_ptr<grpc::Channel> Channel(
       std::shared_ptr<grpc::ChannelCredentials> credentials =
