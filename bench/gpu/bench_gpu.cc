@@ -157,7 +157,7 @@ absl::Status Run(const Options& options) {
     const double chunk_bytes = static_cast<double>(chunk.data.size());
     // First chunk: the tails are empty, so every value is a candidate.
     const Clock::time_point first = Clock::now();
-    KVCAL_RETURN_IF_ERROR(backend->AccumulateDeviceData(chunk));
+    KVCAL_RETURN_IF_ERROR(backend->AccumulateDeviceData(chunk, nullptr));
     KVCAL_RETURN_IF_ERROR(backend->Synchronize());
     const double first_gbps = chunk_bytes / Seconds(first) / 1e9;
     KVCAL_ASSIGN_OR_RETURN(const double gbps,
@@ -165,7 +165,7 @@ absl::Status Run(const Options& options) {
                                options, chunk_bytes,
                                [&]() -> absl::Status {
                                  ++chunk.batch;
-                                 return backend->AccumulateDeviceData(chunk);
+                                 return backend->AccumulateDeviceData(chunk, nullptr);
                                },
                                [&]() { return backend->Synchronize(); }));
     // The result must account for every value.
