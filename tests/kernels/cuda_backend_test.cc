@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -240,8 +241,11 @@ TEST_F(CudaBackendTest, DeviceDataIsCheckedBeforeAnythingRuns) {
       backend->AccumulateDeviceData(WithData(view, device.get() + 2, bytes),
                                     nullptr),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("aligned")));
-  EXPECT_THAT(backend->AccumulateDeviceData(
-                  WithData(view, chunk->data().data(), bytes), nullptr),
+  // Ordinary (aligned) host memory: the chunk's bytes sit at an odd offset
+  // in ChunkBuilder, which the alignment check would catch first.
+  std::vector<float> host(bytes / sizeof(float), 1.0f);
+  EXPECT_THAT(backend->AccumulateDeviceData(WithData(view, host.data(), bytes),
+                                            nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("not CUDA memory")));
   void* pinned = nullptr;
