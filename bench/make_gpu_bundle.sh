@@ -1,44 +1,42 @@
 #!/usr/bin/env bash
-# Builds the CUDA test binaries and kvcal_bench_gpu (in build/ with CUDA on,
-# or in $KVCAL_BUNDLE_BUILD_DIR) and copies them, with every shared library
-# they need that is not part of the C runtime, into a self-contained bundle
-# for a GPU machine that has no Debian libraries and no network. Run
-# bench/gpu_check.sh there.
+# Builds the CUDA test binaries and kvcal_bench_gpu and copies them into a
+# self-contained bundle for a GPU machine that has no Debian libraries and no
+# network. Run bench/gpu_check.sh there.
 #
 #   bench/make_gpu_bundle.sh [BUNDLE_DIR]     (default .gpu-bundle/)
 #
-# Layout: BUNDLE_DIR/bin/* (stripped of debug info), BUNDLE_DIR/lib/*.so*.
-# The CUDA runtime is linked statically; the driver (libcuda) comes from the
-# GPU machine and is never bundled.
+# The build (in build-gpu-bundle/, or $KVCAL_BUNDLE_BUILD_DIR) links
+# libstdc++, libgcc and Abseil statically (KVCAL_STATIC_RUNTIME) and the CUDA
+# runtime statically, so the binaries need only the C library (glibc <= 2.35:
+# Ubuntu 22.04 and later, Debian 12) and the driver (libcuda, never bundled).
+# The script checks both and fails when a binary would need more.
+#
+# Layout: BUNDLE_DIR/bin/* (stripped of debug info), BUNDLE_DIR/lib/ (empty
+# unless a dependency had no static archive).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bundle="${1:-${root}/.gpu-bundle}"
-build="${KVCAL_BUNDLE_BUILD_DIR:-${root}/build}"
-jobs="${KVCAL_BUNDLE_JOBS:-$(nproc)}"
+build="${KVCAL_BUNDLE_BUILD_DIR:-${root}/build-gpu-bundle}"
+jobs="${KVCAL_BUNDLE_JOBS:-${KVCAL_JOBS:-$(nproc)}}"
+max_glibc="2.35"
 
-cmake -S "${root}" -B "${build}" -G Ninja -DKVCAL_CUDA=ON >/dev/null
-# Only what the bundle needs: the benchmark and the kernels tests (the CUDA
-# test executables live there).
-ninja -C "${build}" -j "${jobs}" kvcal_bench_gpu tests/kernels/all
+cmake -S "${root}" -B "${build}" -G Ninja -DKVCAL_CUDA=ON \
+  -DCMAKE_BUILD_TYPE=Release -DKVCAL_STATIC_RUNTIME=ON >/dev/null
+targets=(kvcal_bench_gpu kvcal_backend_cuda_test kvcal_cuda_status_test)
+ninja -C "${build}" -j "${jobs}" "${targets[@]}"
 
-binaries=("${build}/bench/gpu/kvcal_bench_gpu")
-while IFS= read -r -d '' test_binary; do
-  binaries+=("${test_binary}")
-done < <(find "${build}/tests/kernels" -maxdepth 1 -type f -executable \
-              -name '*cuda*' -print0)
-if [[ ${#binaries[@]} -lt 2 ]]; then
-  echo "make_gpu_bundle: no CUDA test binary (*cuda*) under ${build}/tests/kernels" >&2
-  exit 1
-fi
+binaries=("${build}/bench/gpu/kvcal_bench_gpu"
+          "${build}/tests/kernels/kvcal_backend_cuda_test"
+          "${build}/tests/kernels/kvcal_cuda_status_test")
 
 rm -rf "${bundle}"
 mkdir -p "${bundle}/bin" "${bundle}/lib"
 # Keep the bundle out of git without touching the repository's .gitignore.
 printf '*\n' >"${bundle}/.gitignore"
 
-# The C runtime and the dynamic loader must come from the GPU machine; the
-# driver too. libstdc++ and libgcc_s are bundled: their versions may differ.
+# The C runtime, the dynamic loader and the driver come from the GPU machine;
+# anything else still linked dynamically is bundled (and checked below).
 system_lib='^(linux-vdso|ld-linux|libc\.so|libm\.so|libpthread\.so|libdl\.so|librt\.so|libresolv\.so|libutil\.so|libcuda\.so|libnvidia)'
 for binary in "${binaries[@]}"; do
   cp "${binary}" "${bundle}/bin/"
@@ -50,5 +48,31 @@ for binary in "${binaries[@]}"; do
   done
 done
 
+# Every binary and library must load with glibc <= max_glibc, and nothing may
+# be missing.
+status=0
+newest="2.0"
+for file in "${bundle}"/bin/* "${bundle}"/lib/*; do
+  [[ -f "${file}" ]] || continue
+  need=$(objdump -T "${file}" | grep -o 'GLIBC_2\.[0-9]*' | sed 's/GLIBC_//' |
+         sort -t. -k2 -n -u | tail -n 1)
+  need="${need:-2.0}"
+  if [[ "$(printf '%s\n%s\n' "${need}" "${newest}" | sort -V | tail -n 1)" == "${need}" ]]; then
+    newest="${need}"
+  fi
+  if [[ "$(printf '%s\n%s\n' "${need}" "${max_glibc}" | sort -V | tail -n 1)" != "${max_glibc}" ]]; then
+    echo "make_gpu_bundle: $(basename "${file}") needs glibc ${need} (> ${max_glibc})" >&2
+    status=1
+  fi
+done
+for binary in "${bundle}"/bin/*; do
+  if LD_LIBRARY_PATH="${bundle}/lib" ldd "${binary}" | grep -q 'not found'; then
+    echo "make_gpu_bundle: $(basename "${binary}") has unresolved libraries:" >&2
+    LD_LIBRARY_PATH="${bundle}/lib" ldd "${binary}" | grep 'not found' >&2
+    status=1
+  fi
+done
+
 echo "bundle ${bundle}: $(ls "${bundle}/bin" | tr '\n' ' ')"
-echo "  $(ls "${bundle}/lib" | wc -l) libraries, $(du -sh "${bundle}" | cut -f1)"
+echo "  $(ls "${bundle}/lib" | wc -l) bundled libraries, $(du -sh "${bundle}" | cut -f1), needs glibc >= ${newest}"
+exit ${status}

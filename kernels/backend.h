@@ -4,8 +4,8 @@
 //                          kvcal::CreateBackend(kvcal::BackendKind::kAuto,
 //                                               geometry));
 //   KVCAL_RETURN_IF_ERROR(backend->Accumulate(chunk));   // many times
-//   KVCAL_ASSIGN_OR_RETURN(kvcal::SessionStatistics stats, backend->Snapshot());
-//   KVCAL_ASSIGN_OR_RETURN(kvcal::ScaleResult scales,
+//   KVCAL_ASSIGN_OR_RETURN(kvcal::SessionStatistics stats,
+//   backend->Snapshot()); KVCAL_ASSIGN_OR_RETURN(kvcal::ScaleResult scales,
 //                          kvcal::ComputeScales(stats, options));
 //
 // Accumulate validates the chunk first (ValidateChunk); an invalid chunk
@@ -17,10 +17,11 @@
 #include <cstddef>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/device_health.h"
 #include "kernels/statistics.h"
 #include "kernels/types.h"
 
@@ -67,8 +68,25 @@ size_t EstimateStateBytes(const Geometry& geometry);
 absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateCpuBackend(
     const Geometry& geometry, const BackendOptions& options = {});
 
-// kAuto picks CUDA when this build has the CUDA backend and a device is
-// present, else CPU.
+// What a BackendKind means on this machine now. The one place that decides
+// what kAuto means: kCuda when this build has the CUDA backend, device
+// `options.device` exists and no device loss was reported (DeviceHealth);
+// else kCpu. kCpu resolves to itself; kCuda resolves to itself when the
+// device exists and is healthy, else FAILED_PRECONDITION (or UNAVAILABLE
+// after a device loss) saying why.
+struct BackendChoice {
+  BackendKind kind = BackendKind::kCpu;  // kCpu or kCuda, never kAuto
+  // For the log: "cuda on NVIDIA H200, sm_90, ..." or "cpu (no CUDA device
+  // present)".
+  std::string description;
+};
+absl::StatusOr<BackendChoice> ResolveBackend(
+    BackendKind kind, const BackendOptions& options = {});
+
+// Creates the backend ResolveBackend(kind) chooses. With kAuto, a CUDA
+// backend that cannot be created (out of device memory, a device lost
+// meanwhile, ...) falls back to the CPU backend: the session works either
+// way, and name() says which one it got.
 absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateBackend(
     BackendKind kind, const Geometry& geometry,
     const BackendOptions& options = {});

@@ -10,6 +10,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/device_health.h"
 #include "service/log.h"
 
 namespace kvcal::service {
@@ -52,9 +53,14 @@ void Metrics::RecordPersistFailure(const std::string& error) {
 }
 
 std::string Metrics::HealthDetail() const {
+  std::string detail;
+  if (const absl::Status device = DeviceHealth(); !device.ok()) {
+    detail = absl::StrCat("GPU lost (restart the worker): ", device.message());
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  if (persist_error_.empty()) return "";
-  return absl::StrCat("state persistence failing: ", persist_error_);
+  if (persist_error_.empty()) return detail;
+  return absl::StrCat(detail, detail.empty() ? "" : "; ",
+                      "state persistence failing: ", persist_error_);
 }
 
 void Metrics::SetSessionGauge(std::function<uint64_t()> active_sessions) {

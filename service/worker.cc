@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/cuda_backend.h"
+#include "kernels/device_health.h"
 #include "kernels/status_macros.h"
 #include "service/log.h"
 
@@ -83,31 +83,14 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
                                                      options.auth_token_file));
   }
 
-  switch (options.backend) {
-    case BackendKind::kCpu:
-      worker->backend_name_ = "cpu";
-      break;
-    case BackendKind::kCuda:
-      if (CudaDeviceCount() <= options.device) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("--backend cuda: no CUDA device ", options.device,
-                         " (", CudaDeviceDescription(options.device), ")"));
-      }
-      worker->backend_name_ = "cuda";
-      break;
-    case BackendKind::kAuto:
-      worker->backend_name_ = CudaDeviceCount() > 0 ? "cuda" : "cpu";
-      break;
-  }
-  if (worker->backend_name_ == "cuda") {
-    KVCAL_LOG(INFO) << "backend: cuda on "
-                    << CudaDeviceDescription(options.device);
-  } else {
-    KVCAL_LOG(INFO) << "backend: cpu ("
-                    << (CudaBackendCompiled() ? "no CUDA device present"
-                                              : "built without CUDA")
-                    << ")";
-  }
+  // The backend decision is ResolveBackend's (kernels/backend.h), the same
+  // one every session's CreateBackend makes; here it is checked and logged.
+  BackendOptions backend_options;
+  backend_options.device = options.device;
+  KVCAL_ASSIGN_OR_RETURN(const BackendChoice choice,
+                         ResolveBackend(options.backend, backend_options));
+  worker->backend_name_ = choice.kind == BackendKind::kCuda ? "cuda" : "cpu";
+  KVCAL_LOG(INFO) << "backend: " << choice.description;
 
   worker->service_ = std::make_unique<CalibrationService>(service_options);
   if (!options.state_dir.empty()) {
@@ -162,6 +145,8 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
       worker->server_->GetHealthCheckService();
   health->SetServingStatus(true);
   health->SetServingStatus("kvcal.v1.Calibration", true);
+  worker->health_thread_ =
+      std::thread([w = worker.get()] { w->WatchDevice(); });
   KVCAL_LOG(INFO) << "serving kvcal.v1.Calibration on " << options.listen
                   << " (port " << worker->port_ << ")"
                   << (service_options.auth ? ", bearer tokens required" : "")
@@ -171,9 +156,38 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   return worker;
 }
 
+void Worker::WatchDevice() {
+  std::unique_lock<std::mutex> lock(health_mu_);
+  while (!stop_health_) {
+    const absl::Status health = DeviceHealth();
+    if (!health.ok()) {
+      // Nothing in this process can use the GPU any more; sessions on it
+      // answer UNAVAILABLE. NOT_SERVING makes Kubernetes restart the worker
+      // (producers resume from their watermarks).
+      KVCAL_LOG(ERROR) << "device lost, reporting NOT_SERVING: "
+                       << health.message();
+      grpc::HealthCheckServiceInterface* service =
+          server_->GetHealthCheckService();
+      service->SetServingStatus(false);
+      return;
+    }
+    health_cv_.wait_for(lock, std::chrono::milliseconds(200));
+  }
+}
+
+void Worker::StopWatchingDevice() {
+  {
+    std::lock_guard<std::mutex> lock(health_mu_);
+    stop_health_ = true;
+  }
+  health_cv_.notify_all();
+  if (health_thread_.joinable()) health_thread_.join();
+}
+
 void Worker::Shutdown(std::chrono::milliseconds grace) {
   if (shut_down_) return;
   shut_down_ = true;
+  StopWatchingDevice();
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   health->SetServingStatus(false);
   service_->DrainStreams();
@@ -203,6 +217,7 @@ void Worker::Shutdown(std::chrono::milliseconds grace) {
 
 Worker::~Worker() {
   if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
+  StopWatchingDevice();
 }
 
 }  // namespace kvcal::service

@@ -14,8 +14,11 @@
 #include <grpcpp/server.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "service/calibration_service.h"
@@ -62,12 +65,18 @@ class Worker {
   const std::string& backend_name() const { return backend_name_; }
   CalibrationService& service() { return *service_; }
 
+  // Health is SERVING once started, NOT_SERVING from Shutdown on, and
+  // NOT_SERVING as soon as DeviceHealth() reports a lost GPU (checked every
+  // 200 ms), so that an orchestrator restarts the worker.
+  //
   // Stops accepting RPCs, marks health NOT_SERVING, lets in-flight RPCs end
   // within `grace` (then cancels them), and finishes queued chunk work.
   void Shutdown(std::chrono::milliseconds grace);
 
  private:
   Worker() = default;
+  void WatchDevice();  // health_thread_
+  void StopWatchingDevice();
   std::unique_ptr<CalibrationService> service_;
   std::unique_ptr<SessionPersister> persister_;
   std::unique_ptr<grpc::Server> server_;
@@ -75,6 +84,10 @@ class Worker {
   std::string backend_name_;
   int port_ = 0;
   bool shut_down_ = false;
+  std::thread health_thread_;
+  std::mutex health_mu_;
+  std::condition_variable health_cv_;
+  bool stop_health_ = false;  // guarded by health_mu_
 };
 
 }  // namespace kvcal::service

@@ -149,8 +149,12 @@ class CudaBackend final : public CudaStatisticsBackend {
     // this backend's device is current (the destroying thread may have
     // another one current).
     auto guard = DeviceGuard::Enter(device_);
-    if (compute_.get() != nullptr) (void)cudaStreamSynchronize(compute_.get());
-    if (copy_.get() != nullptr) (void)cudaStreamSynchronize(copy_.get());
+    if (compute_.get() != nullptr) {
+      cuda::IgnoreCudaError(cudaStreamSynchronize(compute_.get()));
+    }
+    if (copy_.get() != nullptr) {
+      cuda::IgnoreCudaError(cudaStreamSynchronize(copy_.get()));
+    }
     pinned_ = {};
     staged_ = {};
     copied_ = {};
@@ -288,14 +292,29 @@ class CudaBackend final : public CudaStatisticsBackend {
         }));
   }
 
-  absl::Status AccumulateDeviceData(const ChunkView& chunk) override {
+  absl::Status AccumulateDeviceData(const ChunkView& chunk,
+                                    CUevent_st* ready) override {
     KVCAL_ASSIGN_OR_RETURN(const ChunkExtent extent,
                            ValidateChunk(geometry_, chunk));
     if (extent.elements() == 0) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
     KVCAL_RETURN_IF_ERROR(CheckHealthyLocked());
     KVCAL_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Enter(device_));
+    KVCAL_RETURN_IF_ERROR(CheckDeviceData(chunk));
     KVCAL_ASSIGN_OR_RETURN(const uint32_t slot, BatchSlotLocked(chunk.batch));
+    if (ready != nullptr) {
+      // Enqueues nothing that changes the state; a bad event is the
+      // caller's error (INVALID_ARGUMENT from cudaErrorInvalidResourceHandle
+      // maps to INTERNAL otherwise, so say it here).
+      const cudaError_t error = cudaStreamWaitEvent(compute_.get(), ready, 0);
+      if (error != cudaSuccess) {
+        absl::Status status = cuda::CudaCallFailed(
+            error, "cudaStreamWaitEvent(ready)", __FILE__, __LINE__);
+        if (cuda::IsStickyCudaError(error)) return Poison(status);
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the ready event cannot be waited on: ", status.message()));
+      }
+    }
     const size_t element_size = DTypeSize(chunk.dtype);
     const ElementType type = ToElementType(chunk.dtype);
     const auto* base =
@@ -345,7 +364,14 @@ class CudaBackend final : public CudaStatisticsBackend {
     SessionStatistics merged(geometry_);
     KVCAL_RETURN_IF_ERROR(Poison(DownloadLocked(merged)));
     KVCAL_RETURN_IF_ERROR(merged.Merge(other));
-    return Poison(UploadLocked(merged));
+    // Room for every batch first: growing keeps the state as it is, so an
+    // out-of-memory here leaves the session usable.
+    std::set<uint64_t> batches;
+    for (const HeadStatistics& head : merged.heads()) {
+      for (const auto& entry : head.batches) batches.insert(entry.first);
+    }
+    KVCAL_RETURN_IF_ERROR(ReserveBatchSlotsLocked(batches.size()));
+    return Poison(UploadLocked(merged, batches));
   }
 
   absl::Status Reset() override {
@@ -406,11 +432,68 @@ class CudaBackend final : public CudaStatisticsBackend {
     KVCAL_RETURN_IF_ERROR(broken_);
     if (compute_.get() == nullptr) return absl::OkStatus();
     const cudaError_t error = cudaStreamQuery(compute_.get());
-    if (error == cudaSuccess || error == cudaErrorNotReady) {
+    if (error == cudaSuccess) return absl::OkStatus();
+    if (error == cudaErrorNotReady) {
+      // Not an error, but the runtime still leaves it as the thread's last
+      // error.
+      (void)cudaGetLastError();
       return absl::OkStatus();
     }
-    return Poison(cuda::CudaStatus(error, "an earlier chunk's kernels",
-                                   __FILE__, __LINE__));
+    return Poison(cuda::CudaCallFailed(error, "an earlier chunk's kernels",
+                                       __FILE__, __LINE__));
+  }
+
+  // The checks AccumulateDeviceData promises; the device is current.
+  absl::Status CheckDeviceData(const ChunkView& chunk) const {
+    const size_t element_size = DTypeSize(chunk.dtype);
+    const void* data = chunk.data.data();
+    const auto address = reinterpret_cast<uintptr_t>(data);
+    const std::string where =
+        absl::StrCat("device data at 0x", absl::Hex(address));
+    if (address % element_size != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " is not aligned to its ", element_size, "-byte ",
+                       DTypeName(chunk.dtype), " elements"));
+    }
+    cudaPointerAttributes attributes{};
+    const cudaError_t error = cudaPointerGetAttributes(&attributes, data);
+    if (error != cudaSuccess) {
+      absl::Status status = cuda::CudaCallFailed(
+          error, "cudaPointerGetAttributes", __FILE__, __LINE__);
+      if (cuda::IsStickyCudaError(error)) return status;
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " is not CUDA memory: ", status.message()));
+    }
+    if (attributes.type != cudaMemoryTypeDevice &&
+        attributes.type != cudaMemoryTypeManaged) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " is ",
+                       attributes.type == cudaMemoryTypeHost
+                           ? "pinned host memory"
+                           : "not CUDA memory (ordinary host memory?)",
+                       ", not device memory of CUDA device ", device_,
+                       " (host data goes through Accumulate)"));
+    }
+    if (attributes.device != device_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " is memory of CUDA device ", attributes.device,
+                       "; this backend runs on device ", device_));
+    }
+    if (const auto address_range = cuda::DriverMemGetAddressRange()) {
+      CUdeviceptr base = 0;
+      size_t size = 0;
+      if (address_range(&base, &size, static_cast<CUdeviceptr>(address)) ==
+          CUDA_SUCCESS) {
+        const uint64_t left = base + size - address;
+        if (chunk.data.size() > left) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": the chunk's ", chunk.data.size(),
+                           " bytes run past the end of its allocation (", left,
+                           " bytes from there)"));
+        }
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status SynchronizeLocked() {
@@ -503,6 +586,7 @@ class CudaBackend final : public CudaStatisticsBackend {
   // enqueued hold the old table's address.
   absl::Status GrowBatchTable(size_t slots) {
     const size_t count = slots * heads_total_;
+    if (slots <= batch_capacity_) return absl::OkStatus();
     KVCAL_ASSIGN_OR_RETURN(auto min_table,
                            DeviceBuffer<uint32_t>::Allocate(count));
     KVCAL_ASSIGN_OR_RETURN(auto max_table,
@@ -621,18 +705,23 @@ class CudaBackend final : public CudaStatisticsBackend {
     return absl::OkStatus();
   }
 
-  // Replaces the device state with `stats`. The device must be idle.
-  absl::Status UploadLocked(const SessionStatistics& stats) {
+  // Grows the batch table (doubling) to at least `batches` rows. Like
+  // GrowBatchTable it leaves the state as it was when it fails.
+  absl::Status ReserveBatchSlotsLocked(size_t batches) {
+    size_t capacity = std::max(batch_capacity_, kInitialBatchSlots);
+    while (capacity < batches) capacity *= 2;
+    return GrowBatchTable(capacity);
+  }
+
+  // Replaces the device state with `stats`, whose batches are `batches`
+  // (ReserveBatchSlotsLocked made room for them). The device must be idle.
+  absl::Status UploadLocked(const SessionStatistics& stats,
+                            const std::set<uint64_t>& batches) {
     const size_t heads = heads_total_;
-    std::set<uint64_t> batches;
-    for (const HeadStatistics& head : stats.heads()) {
-      for (const auto& entry : head.batches) batches.insert(entry.first);
-    }
     if (batches.size() > batch_capacity_) {
-      batch_slots_.clear();  // nothing to keep: everything is rewritten
-      size_t capacity = std::max(batch_capacity_, kInitialBatchSlots);
-      while (capacity < batches.size()) capacity *= 2;
-      KVCAL_RETURN_IF_ERROR(GrowBatchTable(capacity));
+      return absl::InternalError(
+          absl::StrCat("the batch table holds ", batch_capacity_,
+                       " batches, the state has ", batches.size()));
     }
     KVCAL_RETURN_IF_ERROR(ZeroStateLocked());
     for (uint64_t batch : batches) {
@@ -746,6 +835,10 @@ class CudaBackend final : public CudaStatisticsBackend {
 }  // namespace
 
 bool CudaBackendCompiled() { return true; }
+
+void FailNthCudaAllocationForTesting(int n) {
+  cuda::AllocationFailureCountdown().store(std::max(n, 0));
+}
 
 int CudaDeviceCount() {
   int count = 0;

@@ -8,6 +8,12 @@
 //                            0}));
 //   }
 //
+// Every call makes the backend's device current on the calling thread and
+// never creates a context on another GPU. A device error the process cannot
+// recover from (IsStickyCudaError) comes back as UNAVAILABLE and is reported
+// to DeviceHealth(); out-of-memory is RESOURCE_EXHAUSTED and leaves the
+// session usable.
+//
 // State lives in device memory. Accumulate copies the chunk into a pinned
 // host staging ring and enqueues the copy and the kernels on CUDA streams, so
 // it returns before the device has finished (and the copy of the next chunk
@@ -21,6 +27,10 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+
+// cudaEvent_t is `CUevent_st*`; declared here so that this header needs no
+// CUDA headers.
+struct CUevent_st;
 
 namespace kvcal {
 
@@ -37,6 +47,11 @@ std::string CudaDeviceDescription(int device);
 absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateCudaBackend(
     const Geometry& geometry, const BackendOptions& options = {});
 
+// Test seam: the n-th CUDA device or pinned allocation from now on (n >= 1)
+// fails as a real out-of-memory does (a real request no device can satisfy);
+// 0 cancels. Process-wide.
+void FailNthCudaAllocationForTesting(int n);
+
 // The CUDA backend with two extra entry points, for benchmarks and for
 // producers whose activations already lie in device memory.
 class CudaStatisticsBackend : public StatisticsBackend {
@@ -45,8 +60,21 @@ class CudaStatisticsBackend : public StatisticsBackend {
   // backend's device (chunk.data.size() is still the byte count). Nothing is
   // copied: the memory must stay valid and unchanged until Synchronize() or
   // Snapshot() returns.
+  //
+  // Checked before anything is enqueued, each failure INVALID_ARGUMENT with
+  // nothing applied: the chunk itself (ValidateChunk, the same messages as
+  // Accumulate), data aligned to its element size, and every byte of it in
+  // one allocation of device (or managed) memory of this backend's device
+  // (cudaPointerGetAttributes). A host or foreign pointer is refused instead
+  // of faulting the kernel, which would end every session in the process.
+  //
+  // `ready` (a cudaEvent_t, or null): an event the producer recorded on its
+  // own stream after writing the data, before this call. The backend's
+  // stream waits for it on the device, so the read is ordered after the
+  // producer's writes without blocking the host. Null means the data is
+  // complete already (the producer synchronized).
   [[nodiscard]] virtual absl::Status AccumulateDeviceData(
-      const ChunkView& chunk) = 0;
+      const ChunkView& chunk, CUevent_st* ready) = 0;
 
   // Waits until everything enqueued has finished; returns the first device
   // error, if any.

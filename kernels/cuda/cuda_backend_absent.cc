@@ -11,6 +11,8 @@ std::string CudaDeviceDescription(int /*device*/) {
          "without nvcc)";
 }
 
+void FailNthCudaAllocationForTesting(int /*n*/) {}
+
 absl::StatusOr<std::unique_ptr<CudaStatisticsBackend>>
 CreateCudaStatisticsBackend(const Geometry& /*geometry*/,
                             const BackendOptions& /*options*/) {

@@ -1,6 +1,7 @@
 // RAII owners of CUDA runtime resources used by the CUDA backend: device
 // buffers, pinned host buffers, streams, events, and a guard that makes a
-// device current for the calling thread.
+// device current for the calling thread; plus the test seam that makes the
+// n-th allocation fail.
 //
 //   KVCAL_ASSIGN_OR_RETURN(auto counts, DeviceBuffer<uint64_t>::Allocate(n));
 //   KVCAL_ASSIGN_OR_RETURN(auto stream, Stream::Create());
@@ -11,8 +12,11 @@
 #ifndef KVCAL_KERNELS_CUDA_CUDA_RESOURCES_H_
 #define KVCAL_KERNELS_CUDA_CUDA_RESOURCES_H_
 
+#include <cuda.h>  // driver types only; no libcuda at link time
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <utility>
 
@@ -20,6 +24,24 @@
 #include "kernels/cuda/cuda_status.h"
 
 namespace kvcal::cuda {
+
+// Test seam (FailNthCudaAllocationForTesting): allocations still to go
+// before the one that fails; 0 = none fails.
+inline std::atomic<int>& AllocationFailureCountdown() {
+  static std::atomic<int> countdown{0};
+  return countdown;
+}
+
+// The byte count to request: `bytes`, or, for the allocation the test seam
+// picked, one no device or host can satisfy, so that the runtime fails the
+// way a real out-of-memory does (same error, same last-error state).
+inline size_t BytesToRequest(size_t bytes) {
+  std::atomic<int>& countdown = AllocationFailureCountdown();
+  int n = countdown.load(std::memory_order_relaxed);
+  while (n > 0 && !countdown.compare_exchange_weak(n, n - 1)) {
+  }
+  return n == 1 ? (size_t{1} << 62) : bytes;
+}
 
 // `count` elements of T in device memory (uninitialised).
 template <typename T>
@@ -30,7 +52,8 @@ class DeviceBuffer {
     DeviceBuffer buffer;
     if (count == 0) return buffer;
     void* ptr = nullptr;
-    KVCAL_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr, count * sizeof(T)));
+    KVCAL_CUDA_RETURN_IF_ERROR(
+        cudaMalloc(&ptr, BytesToRequest(count * sizeof(T))));
     buffer.ptr_ = static_cast<T*>(ptr);
     buffer.count_ = count;
     return buffer;
@@ -56,7 +79,7 @@ class DeviceBuffer {
 
  private:
   void Release() {
-    if (ptr_ != nullptr) (void)cudaFree(ptr_);
+    if (ptr_ != nullptr) IgnoreCudaError(cudaFree(ptr_));
     ptr_ = nullptr;
     count_ = 0;
   }
@@ -72,7 +95,7 @@ class PinnedBuffer {
   static absl::StatusOr<PinnedBuffer> Allocate(size_t bytes) {
     PinnedBuffer buffer;
     void* ptr = nullptr;
-    KVCAL_CUDA_RETURN_IF_ERROR(cudaMallocHost(&ptr, bytes));
+    KVCAL_CUDA_RETURN_IF_ERROR(cudaMallocHost(&ptr, BytesToRequest(bytes)));
     buffer.ptr_ = ptr;
     buffer.bytes_ = bytes;
     return buffer;
@@ -97,7 +120,7 @@ class PinnedBuffer {
 
  private:
   void Release() {
-    if (ptr_ != nullptr) (void)cudaFreeHost(ptr_);
+    if (ptr_ != nullptr) IgnoreCudaError(cudaFreeHost(ptr_));
     ptr_ = nullptr;
     bytes_ = 0;
   }
@@ -133,7 +156,7 @@ class Stream {
 
  private:
   void Release() {
-    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+    if (stream_ != nullptr) IgnoreCudaError(cudaStreamDestroy(stream_));
     stream_ = nullptr;
   }
   cudaStream_t stream_ = nullptr;
@@ -167,24 +190,56 @@ class Event {
 
  private:
   void Release() {
-    if (event_ != nullptr) (void)cudaEventDestroy(event_);
+    if (event_ != nullptr) IgnoreCudaError(cudaEventDestroy(event_));
     event_ = nullptr;
   }
   cudaEvent_t event_ = nullptr;
 };
 
-// Makes `device` current for the calling thread for the guard's lifetime
-// (the current device is per host thread, and callers may come from any
-// thread), then restores the previous one.
+// A driver function looked up through the runtime (so binaries need no
+// link-time libcuda), or null when the driver does not have it.
+inline void* DriverFunction(const char* name) {
+  void* symbol = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(name, &symbol, 12000, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return symbol;
+}
+inline PFN_cuCtxGetCurrent_v4000 DriverCtxGetCurrent() {
+  static const auto fn = reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(
+      DriverFunction("cuCtxGetCurrent"));
+  return fn;
+}
+inline PFN_cuMemGetAddressRange_v3020 DriverMemGetAddressRange() {
+  static const auto fn = reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(
+      DriverFunction("cuMemGetAddressRange"));
+  return fn;
+}
+
+// Makes `device` current for the calling thread (the current device is per
+// host thread, and callers come from any gRPC or executor thread). It is set
+// on every entry. On exit the guard restores the previous device only when
+// the thread had one, that is a current CUDA context (an in-process caller
+// working on another GPU): a fresh thread reports device 0 without having
+// it, and "restoring" that would create a context on GPU 0 (hundreds of MiB
+// on a GPU an inference engine may own, or an error on an exclusive-process
+// GPU).
 class DeviceGuard {
  public:
   static absl::StatusOr<DeviceGuard> Enter(int device) {
     DeviceGuard guard;
-    KVCAL_CUDA_RETURN_IF_ERROR(cudaGetDevice(&guard.previous_));
-    if (guard.previous_ != device) {
-      KVCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-      guard.restore_ = true;
+    CUcontext current = nullptr;
+    const PFN_cuCtxGetCurrent_v4000 ctx_get_current = DriverCtxGetCurrent();
+    if (ctx_get_current != nullptr &&
+        ctx_get_current(&current) == CUDA_SUCCESS && current != nullptr) {
+      KVCAL_CUDA_RETURN_IF_ERROR(cudaGetDevice(&guard.previous_));
+      guard.restore_ = guard.previous_ != device;
     }
+    KVCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
     return guard;
   }
   DeviceGuard(DeviceGuard&& other) noexcept
@@ -194,13 +249,13 @@ class DeviceGuard {
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
   ~DeviceGuard() {
-    if (restore_) (void)cudaSetDevice(previous_);
+    if (restore_) IgnoreCudaError(cudaSetDevice(previous_));
   }
 
  private:
   DeviceGuard() = default;
   int previous_ = 0;
-  bool restore_ = false;
+  bool restore_ = false;  // the thread had device previous_ current
 };
 
 }  // namespace kvcal::cuda

@@ -1,5 +1,7 @@
 // Instantiates the statistics kernels and launches them (see
 // statistics_kernels.h). Grid sizing is the caller's (cuda_backend.cc).
+#include <utility>
+
 #include "kernels/cuda/statistics_kernels.cuh"
 
 namespace kvcal::cuda {
@@ -30,6 +32,22 @@ AccumulateFn SelectAccumulate(ElementType type, bool vectorized,
                               bool histograms) {
   return histograms ? SelectAccumulate<true>(type, vectorized)
                     : SelectAccumulate<false>(type, vectorized);
+}
+
+// Launches `kernel` and returns the launch's own error (cudaLaunchKernelEx),
+// never an earlier one left in the thread's last-error slot, which a
+// cudaGetLastError() after a <<<>>> launch would report instead.
+template <typename... Params, typename... Args>
+cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block,
+                   size_t shared_bytes, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = nullptr;
+  config.numAttrs = 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 // Above 48 KiB of dynamic shared memory a kernel must opt in.
@@ -71,14 +89,14 @@ cudaError_t EnqueueChunk(const DeviceState& state, const TailScratch& scratch,
   const size_t shared_bytes = AccumulateSharedBytes(histograms, state.bins);
   cudaError_t error = AllowSharedBytes(fn, shared_bytes);
   if (error != cudaSuccess) return error;
-  const dim3 grid(chunk.blocks_per_head, chunk.heads);
-  fn<<<grid, kAccumulateThreads, shared_bytes, stream>>>(state, scratch, chunk);
-  error = cudaGetLastError();
+  error = Launch(fn, dim3(chunk.blocks_per_head, chunk.heads),
+                 dim3(kAccumulateThreads), shared_bytes, stream, state, scratch,
+                 chunk);
   if (error != cudaSuccess || !histograms) return error;
-  TailSelectKernel<<<chunk.heads, kTailSelectThreads, 0, stream>>>(
+  return Launch(
+      &TailSelectKernel, dim3(chunk.heads), dim3(kTailSelectThreads), 0, stream,
       state, scratch, chunk.head_base,
       chunk.blocks_per_head * static_cast<uint32_t>(kAccumulateWarps));
-  return cudaGetLastError();
 }
 
 }  // namespace kvcal::cuda

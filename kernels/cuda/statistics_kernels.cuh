@@ -1,6 +1,10 @@
 // Device code of the CUDA statistics backend. See statistics_kernels.h for
 // the state layout and the launch interface; statistics_kernels.cu
-// instantiates and launches these.
+// instantiates and launches these. CUB (CCCL, shipped with the toolkit)
+// provides the block reduction of the per-thread statistics
+// (cub::BlockReduce over BlockStatistics) and the warp prefix sum that
+// places tail candidates (cub::WarpScan); the top-256 selection is still
+// hand-written (bitonic sort per warp, radix select per head).
 //
 // AccumulateKernel: grid (blocks_per_head, heads). The blocks of one head
 // walk that head's rows (o, h, 0..inner) with a grid-stride loop over load
@@ -11,7 +15,7 @@
 // exact top-kTailCapacity |x| in a shared buffer: values at or below the
 // head's current 256th largest (tail_floor_bits) never enter, and when the
 // buffer holds more than kTailCapacity values the warp sorts it (bitonic) and
-// raises its own floor to its 256th largest. At the end: warp shuffles, one
+// raises its own floor to its 256th largest. At the end: cub::BlockReduce, one
 // set of global atomics per block, the shared histogram added to the global
 // one, and each warp's <= kTailCapacity candidates written to TailScratch.
 //
@@ -29,6 +33,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cub/block/block_reduce.cuh>
+#include <cub/warp/warp_scan.cuh>
 
 // element_math.h computes unsigned bin offsets from the signed exponent
 // constants (127u + kHistogramMinExponent); the arithmetic is intended and
@@ -49,6 +55,35 @@ KVCAL_HOST_DEVICE constexpr size_t SharedHistogramBytes(uint32_t bins) {
   return (static_cast<size_t>(bins) * sizeof(uint32_t) + 15u) &
          ~static_cast<size_t>(15u);
 }
+
+// What one thread, then the whole block, saw of its head: the operand of the
+// block reduction (cub::BlockReduce). min/max never see a NaN (non-finite
+// values are only counted) and ±0 arrive canonical (CanonicalZero), so the
+// combination order does not change them; counts are exact in any order;
+// the double sums round differently per order, as the CPU backend's thread
+// split does (the tests compare them with a tolerance).
+struct BlockStatistics {
+  float min;
+  float max;
+  unsigned long long finite;
+  unsigned long long nan;
+  unsigned long long inf;
+  double sum;
+  double sum_squares;
+};
+
+struct MergeBlockStatistics {
+  __device__ __forceinline__ BlockStatistics
+  operator()(const BlockStatistics& a, const BlockStatistics& b) const {
+    return BlockStatistics{fminf(a.min, b.min),
+                           fmaxf(a.max, b.max),
+                           a.finite + b.finite,
+                           a.nan + b.nan,
+                           a.inf + b.inf,
+                           a.sum + b.sum,
+                           a.sum_squares + b.sum_squares};
+  }
+};
 
 template <ElementType kType>
 __device__ __forceinline__ float Decode16(uint32_t bits) {
@@ -188,14 +223,13 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
                 "candidate mask and warp tail buffer hold 16 values per lane");
   static_assert(kTailCapacity + 32 * 16 <= kWarpTailBuffer);
 
+  using BlockReduceStatistics =
+      cub::BlockReduce<BlockStatistics, kAccumulateThreads>;
+  using WarpScanCounts = cub::WarpScan<uint32_t>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  __shared__ float warp_min[kAccumulateWarps];
-  __shared__ float warp_max[kAccumulateWarps];
-  __shared__ uint32_t warp_finite[kAccumulateWarps];
-  __shared__ uint32_t warp_nan[kAccumulateWarps];
-  __shared__ uint32_t warp_inf[kAccumulateWarps];
-  __shared__ double warp_sum[kAccumulateWarps];
-  __shared__ double warp_sum_squares[kAccumulateWarps];
+  __shared__ typename BlockReduceStatistics::TempStorage reduce_storage;
+  __shared__
+      typename WarpScanCounts::TempStorage scan_storage[kAccumulateWarps];
 
   const uint32_t lane = threadIdx.x & 31u;
   const uint32_t warp = threadIdx.x >> 5;
@@ -296,17 +330,16 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
 
     if constexpr (kHistograms) {
       if (__any_sync(kFullWarpMask, candidates != 0)) {
-        // Append this round's candidates behind the kept ones: exclusive
-        // prefix sum of the lanes' counts gives each lane its offset.
-        const uint32_t mine = __popc(candidates);
-        uint32_t inclusive = mine;
-#pragma unroll
-        for (uint32_t d = 1; d < 32; d <<= 1) {
-          const uint32_t below = __shfl_up_sync(kFullWarpMask, inclusive, d);
-          if (lane >= d) inclusive += below;
-        }
-        const uint32_t added = __shfl_sync(kFullWarpMask, inclusive, 31);
-        uint32_t position = tail_count + inclusive - mine;
+        // Append this round's candidates behind the kept ones: the
+        // exclusive prefix sum of the lanes' counts (0 for lane 0) gives each
+        // lane its offset, the warp aggregate how many were added. All 32
+        // lanes are here: the condition above is warp-uniform.
+        uint32_t below = 0;
+        uint32_t added = 0;
+        WarpScanCounts(scan_storage[warp])
+            .ExclusiveSum(static_cast<uint32_t>(__popc(candidates)), below,
+                          added);
+        uint32_t position = tail_count + below;
 #pragma unroll
         for (int v = 0; v < kPerRound; ++v) {
           if ((candidates >> v) & 1u) tail_buffer[position++] = magnitudes[v];
@@ -334,26 +367,13 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
     if (lane == 0) scratch.candidate_counts[global_warp] = tail_count;
   }
 
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) {
-    min_value = fminf(min_value, __shfl_xor_sync(kFullWarpMask, min_value, d));
-    max_value = fmaxf(max_value, __shfl_xor_sync(kFullWarpMask, max_value, d));
-    finite += __shfl_xor_sync(kFullWarpMask, finite, d);
-    nan += __shfl_xor_sync(kFullWarpMask, nan, d);
-    inf += __shfl_xor_sync(kFullWarpMask, inf, d);
-    sum += __shfl_xor_sync(kFullWarpMask, sum, d);
-    sum_squares += __shfl_xor_sync(kFullWarpMask, sum_squares, d);
-  }
-  if (lane == 0) {
-    warp_min[warp] = min_value;
-    warp_max[warp] = max_value;
-    warp_finite[warp] = finite;
-    warp_nan[warp] = nan;
-    warp_inf[warp] = inf;
-    warp_sum[warp] = sum;
-    warp_sum_squares[warp] = sum_squares;
-  }
-  __syncthreads();
+  // Every thread of the block gets here (no early exit above).
+  const BlockStatistics block =
+      BlockReduceStatistics(reduce_storage)
+          .Reduce(BlockStatistics{min_value, max_value, finite, nan, inf, sum,
+                                  sum_squares},
+                  MergeBlockStatistics());  // valid in thread 0
+  __syncthreads();  // every thread's histogram atomics are done
 
   if constexpr (kHistograms) {
     unsigned long long* global_histogram =
@@ -367,23 +387,13 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
   }
 
   if (threadIdx.x == 0) {
-    float block_min = warp_min[0];
-    float block_max = warp_max[0];
-    unsigned long long block_finite = warp_finite[0];
-    unsigned long long block_nan = warp_nan[0];
-    unsigned long long block_inf = warp_inf[0];
-    double block_sum = warp_sum[0];
-    double block_sum_squares = warp_sum_squares[0];
-#pragma unroll
-    for (int w = 1; w < kAccumulateWarps; ++w) {
-      block_min = fminf(block_min, warp_min[w]);
-      block_max = fmaxf(block_max, warp_max[w]);
-      block_finite += warp_finite[w];
-      block_nan += warp_nan[w];
-      block_inf += warp_inf[w];
-      block_sum += warp_sum[w];
-      block_sum_squares += warp_sum_squares[w];
-    }
+    const float block_min = block.min;
+    const float block_max = block.max;
+    const unsigned long long block_finite = block.finite;
+    const unsigned long long block_nan = block.nan;
+    const unsigned long long block_inf = block.inf;
+    const double block_sum = block.sum;
+    const double block_sum_squares = block.sum_squares;
     if (block_finite != 0) {
       atomicAdd(&state.counts[3 * static_cast<size_t>(head)], block_finite);
       atomicAdd(&state.sums[2 * static_cast<size_t>(head)], block_sum);

@@ -396,6 +396,107 @@ TYPED_TEST(BackendTest, LargeChunks) {
   this->RunAndCompare(g, {big, big_hf});
 }
 
+// Chunks larger than one 8 MiB staging slot of the CUDA backend, split at
+// each of its three levels: whole rows (9 MiB), runs of heads of one row, and
+// runs of one head's values ({1, 2, 40000, 128}: one head is 20 MB in f32).
+TYPED_TEST(BackendTest, ChunksLargerThanOneStagingSlot) {
+  Rng rng(13);
+  const Geometry g = MakeGeometry(1, 8, 8, 128, 16);
+  const uint64_t nine_mib_tokens =
+      (uint64_t{9} << 20) / (8 * 128 * DTypeSize(this->kDType));
+  Placed rows = this->NewChunk(Layout::kTokensHeadsDim,
+                               {nine_mib_tokens, 8, 128}, 0, Role::kQ, 0, 1);
+  rows.chunk->Fill([&rng](const ElementIndex& at) {
+    return static_cast<float>(rng.StudentT(3.0) * (1.0 + at.head));
+  });
+  ASSERT_EQ(rows.chunk->data().size(), size_t{9} << 20);
+  Placed heads = this->NewChunk(Layout::kHeadsTokensDim, {1, 8, 4000, 128}, 0,
+                                Role::kK, 0, 2);
+  heads.chunk->Fill(this->NormalValues(rng));
+  Placed one_head = this->NewChunk(Layout::kHeadsTokensDim, {1, 2, 40000, 128},
+                                   0, Role::kV, 3, 3);
+  one_head.chunk->Fill([&rng](const ElementIndex& at) {
+    // Rising magnitudes in the second head: its tail is decided in the last
+    // piece.
+    return at.head == 0 ? static_cast<float>(rng.Normal())
+                        : static_cast<float>(at.flat % 100000) * 0.01f;
+  });
+  this->RunAndCompare(g, {rows, heads, one_head});
+}
+
+// 40 batches: the CUDA backend's batch table (16 rows preallocated) doubles
+// twice while chunks keep arriving.
+TYPED_TEST(BackendTest, FortyBatchesGrowTheBatchTable) {
+  Rng rng(14);
+  const Geometry g = MakeGeometry(2, 4, 2, 32, 16);
+  std::vector<Placed> chunks;
+  for (uint64_t i = 0; i < 40; ++i) {
+    const uint64_t batch = (i * 7) % 40;  // not in increasing order
+    const Role role = kAllRoles[i % 3];
+    Placed p = this->NewChunk(Layout::kTokensHeadsDim,
+                              {rng.UniformInt(1, 20), g.heads(role), 32},
+                              static_cast<uint32_t>(i % 2), role, 0, batch);
+    p.chunk->Fill(this->NormalValues(rng));
+    chunks.push_back(p);
+  }
+  // Early batches again after the table grew.
+  for (uint64_t batch : {0u, 7u, 39u}) {
+    Placed p = this->NewChunk(Layout::kTokensHeadsDim, {5, 2, 32}, 1, Role::kK,
+                              0, batch);
+    p.chunk->Fill(this->NormalValues(rng));
+    chunks.push_back(p);
+  }
+  this->RunAndCompare(g, chunks);
+}
+
+// Merging a state of 40 batches into a backend that already has some of
+// them (and others) equals accumulating everything into one backend.
+TYPED_TEST(BackendTest, MergeOfAStateWithMoreThanSixteenBatches) {
+  Rng rng(15);
+  const Geometry g = MakeGeometry(1, 4, 2, 16, 16);
+  std::vector<Placed> many;
+  for (uint64_t batch = 0; batch < 40; ++batch) {
+    Placed p = this->NewChunk(Layout::kTokensHeadsDim, {4, 2, 16}, 0, Role::kK,
+                              0, 1000 + batch);
+    p.chunk->Fill(this->NormalValues(rng));
+    many.push_back(p);
+  }
+  std::vector<Placed> few;
+  for (uint64_t batch : {1005u, 1039u, 3u}) {
+    Placed p = this->NewChunk(Layout::kTokensHeadsDim, {6, 4, 16}, 0, Role::kQ,
+                              0, batch);
+    p.chunk->Fill(this->NormalValues(rng));
+    few.push_back(p);
+  }
+  auto source = this->Make(g);
+  auto target = this->Make(g);
+  auto together = this->Make(g);
+  ASSERT_NE(source, nullptr);
+  ASSERT_NE(target, nullptr);
+  ASSERT_NE(together, nullptr);
+  Reference ref(g);
+  for (const Placed& p : many) {
+    ASSERT_THAT(source->Accumulate(p.view()), IsOk());
+    ASSERT_THAT(together->Accumulate(p.view()), IsOk());
+    ref.Add(*p.chunk, p.layer, p.role);
+  }
+  for (const Placed& p : few) {
+    ASSERT_THAT(target->Accumulate(p.view()), IsOk());
+    ASSERT_THAT(together->Accumulate(p.view()), IsOk());
+    ref.Add(*p.chunk, p.layer, p.role);
+  }
+  const SessionStatistics forty = this->Snap(*source);
+  ASSERT_THAT(target->Merge(forty), IsOk());
+  const SessionStatistics merged = this->Snap(*target);
+  ExpectMatchesReference(ref, merged);
+  ExpectStatesEqual(this->Snap(*together), merged);
+  // A fresh backend takes the 40-batch state whole.
+  auto fresh = this->Make(g);
+  ASSERT_NE(fresh, nullptr);
+  ASSERT_THAT(fresh->Merge(forty), IsOk());
+  ExpectStatesEqual(forty, this->Snap(*fresh));
+}
+
 TYPED_TEST(BackendTest, ManyChunksLayersRolesAndBatches) {
   Rng rng(6);
   const Geometry g = MakeGeometry(3, 4, 2, 32, 64);

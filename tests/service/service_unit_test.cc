@@ -1,16 +1,22 @@
 // Unit tests of the worker's pieces: token parsing, session ids, the
 // registry's limits, proto conversion defaults, and an in-process worker's
 // drain.
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <future>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/device_health.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
 #include "service/auth.h"
+#include "service/metrics.h"
 #include "service/proto_convert.h"
 #include "service/session_registry.h"
 #include "service/worker.h"
@@ -179,6 +185,83 @@ TEST(WorkerDrainTest, NewCallsAreRefusedOnceDraining) {
   EXPECT_EQ(shutdown.wait_for(std::chrono::minutes(10)),
             std::future_status::ready)
       << "Shutdown waited for its grace period with nothing in flight";
+}
+
+// grpc.health.v1.Health/Check for the whole server: the serialized
+// HealthCheckResponse ("\x08\x01" SERVING, "\x08\x02" NOT_SERVING).
+std::string HealthCheck(const std::shared_ptr<grpc::Channel>& channel) {
+  grpc::GenericStub generic(channel);
+  grpc::ClientContext context;
+  grpc::Slice empty("", 0);
+  grpc::ByteBuffer request(&empty, 1);
+  grpc::ByteBuffer response;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  generic.UnaryCall(&context, "/grpc.health.v1.Health/Check",
+                    grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      status = s;
+                      done = true;
+                      cv.notify_one();
+                    });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done; });
+  if (!status.ok()) return "error: " + status.error_message();
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return "error: dump";
+  std::string bytes;
+  for (auto& slice : slices) {
+    bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  return bytes;
+}
+
+// A lost GPU (simulated: ReportDeviceLost is what the CUDA backend calls on
+// a sticky error) turns the worker NOT_SERVING so that Kubernetes restarts
+// it; /healthz says why; new sessions under --backend auto get the CPU.
+TEST(WorkerHealthTest, DeviceLossMakesTheWorkerNotServing) {
+  ResetDeviceHealthForTesting();
+  WorkerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.backend = BackendKind::kAuto;
+  options.executor_threads = 2;
+  auto worker = Worker::Start(options);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto channel =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string((*worker)->port()),
+                          grpc::InsecureChannelCredentials());
+  ASSERT_EQ(HealthCheck(channel), std::string("\x08\x01", 2)) << "SERVING";
+
+  ReportDeviceLost(absl::InternalError(
+      "CUDA error cudaErrorIllegalAddress (simulated) from a kernel"));
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::string health;
+  while ((health = HealthCheck(channel)) != std::string("\x08\x02", 2) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(health, std::string("\x08\x02", 2)) << "NOT_SERVING";
+  EXPECT_THAT((*worker)->service().metrics().HealthDetail(),
+              HasSubstr("GPU lost"));
+
+  // The worker still answers, and new sessions work on the CPU backend.
+  auto stub = kvcal::v1::Calibration::NewStub(channel);
+  grpc::ClientContext context;
+  kvcal::v1::CreateSessionRequest request;
+  request.set_session_id("after-loss");
+  request.set_num_layers(1);
+  request.set_num_attention_heads(2);
+  request.set_num_key_value_heads(1);
+  request.set_head_dim(8);
+  kvcal::v1::Session session;
+  const grpc::Status created = stub->CreateSession(&context, request, &session);
+  EXPECT_TRUE(created.ok()) << created.error_message();
+  (*worker)->Shutdown(std::chrono::milliseconds(1000));
+  ResetDeviceHealthForTesting();
 }
 
 }  // namespace
