@@ -5,7 +5,12 @@
 #include <mutex>
 #include <utility>
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "service/grpc_status.h"
 #include "service/log.h"
 #include "service/proto_convert.h"
@@ -88,9 +93,23 @@ grpc::ServerUnaryReactor* CalibrationService::CreateSession(
       [this, request, response](const std::string& tenant) -> absl::Status {
         absl::StatusOr<Geometry> geometry = GeometryFromProto(*request);
         if (!geometry.ok()) return geometry.status();
+        const ShardMap map = ShardMapFromProto(request->shard_map());
+        if (!map.empty() &&
+            !std::binary_search(map.worker_ids.begin(), map.worker_ids.end(),
+                                options_.worker_id)) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "this worker '", options_.worker_id,
+              "' is not in the session's shard map [",
+              absl::StrJoin(map.worker_ids, ", "), "]"));
+        }
         auto session =
-            registry_.Create(tenant, request->session_id(), *geometry);
+            registry_.Create(tenant, request->session_id(), *geometry, map);
         if (!session.ok()) return session.status();
+        if (persister_ != nullptr) {
+          // A failing disk is reported (metrics, /healthz) and the session
+          // still serves, as with periodic snapshots.
+          (void)persister_->Save(*session);
+        }
         auto info = (*session)->Info();
         if (!info.ok()) return info.status();
         SessionToProto(*info, response);
@@ -149,6 +168,29 @@ grpc::ServerUnaryReactor* CalibrationService::Finalize(
       [this, request, response](const std::string& tenant) -> absl::Status {
         auto session = registry_.Get(tenant, request->session_id());
         if (!session.ok()) return session.status();
+        const ShardMap map = (*session)->shard_map();
+        const std::vector<std::string> client_ids(
+            request->shard_worker_ids().begin(),
+            request->shard_worker_ids().end());
+        if (absl::Status s =
+                CheckWorkerSet(request->session_id(), map, client_ids);
+            !s.ok()) {
+          return s;
+        }
+        const uint32_t num_layers = (*session)->geometry().num_layers;
+        for (uint32_t i = 0; i < (request->layers().empty()
+                                      ? num_layers
+                                      : uint32_t(request->layers_size()));
+             ++i) {
+          const uint32_t layer =
+              request->layers().empty() ? i : request->layers(i);
+          if (absl::Status s = CheckLayerOwner(request->session_id(), map,
+                                               layer, options_.worker_id);
+              !s.ok()) {
+            return absl::Status(s.code(), absl::StrCat("Finalize: ",
+                                                       s.message()));
+          }
+        }
         absl::StatusOr<ScaleOptions> options = ScaleOptionsFromProto(*request);
         if (!options.ok()) return options.status();
         auto result = (*session)->Finalize(*options);
@@ -203,6 +245,27 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
         absl::StrCat("chunk ", request.sequence(), " from producer '", producer,
                      "': ", session.status().message()));
   }
+  {
+    // Before anything of the chunk is looked at: a chunk for another
+    // worker's layer, or from a client sharding over another worker set,
+    // must not be applied (it would split statistics across workers).
+    const ShardMap map = (*session)->shard_map();
+    absl::Status shard =
+        CheckWorkerSet(request.session_id(), map,
+                       std::vector<std::string>(
+                           request.shard_worker_ids().begin(),
+                           request.shard_worker_ids().end()));
+    if (shard.ok()) {
+      shard = CheckLayerOwner(request.session_id(), map, request.layer(),
+                              options_.worker_id);
+    }
+    if (!shard.ok()) {
+      return absl::Status(
+          shard.code(), absl::StrCat("chunk ", request.sequence(),
+                                     " from producer '", producer,
+                                     "': ", shard.message()));
+    }
+  }
   absl::StatusOr<IngestOutcome> outcome =
       (*session)->Ingest(producer, request.sequence(), ChunkFromProto(request));
   if (!outcome.ok()) return outcome.status();
@@ -226,6 +289,19 @@ void CalibrationService::SessionToProto(const SessionInfo& info,
                                         pb::Session* out) const {
   SessionInfoToProto(info, out);
   out->set_persistent(persister_ != nullptr);
+  out->set_worker_id(options_.worker_id);
+}
+
+grpc::ServerUnaryReactor* CalibrationService::GetWorkerInfo(
+    grpc::CallbackServerContext* context,
+    const pb::GetWorkerInfoRequest* /*request*/, pb::WorkerInfo* response) {
+  return Unary(context, "GetWorkerInfo", /*offload=*/false,
+               [this, response](const std::string& /*tenant*/) {
+                 response->set_worker_id(options_.worker_id);
+                 response->set_backend(options_.backend_name);
+                 response->set_persistent(persister_ != nullptr);
+                 return absl::OkStatus();
+               });
 }
 
 void CalibrationService::AddInflight(int64_t delta) {

@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/backend.h"
 #include "kernels/scale_math.h"
+#include "service/shard_map.h"
 
 namespace kvcal::service {
 
@@ -54,6 +55,7 @@ struct SessionInfo {
   std::vector<ProducerInfo> producers;  // sorted by producer_id
   std::string backend;
   uint64_t state_bytes = 0;
+  ShardMap shard_map;
 };
 
 // Everything needed to recreate or merge a session (CONTRACT.md "State").
@@ -63,6 +65,7 @@ struct SessionSnapshot {
   SessionCounters counters;
   std::vector<ProducerInfo> producers;
   std::vector<std::string> applied_import_ids;
+  ShardMap shard_map;
 };
 
 struct IngestOutcome {
@@ -113,6 +116,12 @@ class Session {
   absl::Status Merge(const SessionSnapshot& snapshot,
                      absl::string_view import_id);
 
+  // Records the session's shard map (validated by the caller). A session
+  // without one takes it; one with an equal map is unchanged; a different
+  // map is FailedPrecondition naming what changed.
+  absl::Status AdoptShardMap(const ShardMap& map);
+  ShardMap shard_map();
+
   // Records that `producers` (watermarks of a snapshot now on disk) are
   // durable: each producer's durable watermark becomes at least that.
   void MarkDurable(const std::vector<ProducerInfo>& producers);
@@ -154,6 +163,8 @@ class Session {
   std::atomic<uint64_t> values_ingested_{0};
   std::atomic<uint64_t> bytes_ingested_{0};
   std::set<std::string> applied_import_ids_;  // guarded by state_mu_
+  std::mutex shard_map_mu_;
+  ShardMap shard_map_;  // guarded by shard_map_mu_
   // nonfinite_values is read from a backend snapshot, cached until the next
   // applied chunk or merge.
   std::mutex info_mu_;
