@@ -584,6 +584,15 @@ TEST_F(UploaderTest, WorkerRestartedUnderANewAddressIsFollowedByItsId) {
   EXPECT_NE(b->address(), old_b);
   EXPECT_EQ(client.endpoint(1), b->address());
   EXPECT_EQ(Scales(client, "moved"), reference);
+  // The restarted worker restored the session's shard map from its state
+  // dir along with the statistics.
+  grpc::ClientContext context;
+  v1::GetSessionRequest request;
+  request.set_session_id("moved");
+  v1::Session restored;
+  ASSERT_TRUE(client.stub(1).GetSession(&context, request, &restored).ok());
+  EXPECT_EQ(restored.worker_id(), "b");
+  EXPECT_EQ(restored.shard_map().worker_ids_size(), 2);
 }
 
 }  // namespace
