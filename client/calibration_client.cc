@@ -43,9 +43,8 @@ std::string WorkerSetChange(std::vector<std::string> session_ids,
   std::sort(session_ids.begin(), session_ids.end());
   std::sort(client_ids.begin(), client_ids.end());
   std::vector<std::string> added, missing;
-  std::set_difference(client_ids.begin(), client_ids.end(),
-                      session_ids.begin(), session_ids.end(),
-                      std::back_inserter(added));
+  std::set_difference(client_ids.begin(), client_ids.end(), session_ids.begin(),
+                      session_ids.end(), std::back_inserter(added));
   std::set_difference(session_ids.begin(), session_ids.end(),
                       client_ids.begin(), client_ids.end(),
                       std::back_inserter(missing));
@@ -191,8 +190,7 @@ absl::StatusOr<CalibrationClient> CalibrationClient::Connect(
   CalibrationClient client;
   client.options_ = std::move(options);
   client.specs_ = endpoints;
-  KVCAL_ASSIGN_OR_RETURN(std::vector<std::string> expanded,
-                         client.ExpandAll());
+  KVCAL_ASSIGN_OR_RETURN(std::vector<std::string> expanded, client.ExpandAll());
   for (std::string& endpoint : expanded) {
     Worker w;
     w.endpoint = std::move(endpoint);
@@ -217,9 +215,9 @@ absl::StatusOr<CalibrationClient> CalibrationClient::Connect(
     std::vector<std::thread> threads;
     for (size_t i = 0; i < client.workers_.size(); ++i) {
       threads.emplace_back([&, i] {
-        ids[i] = AskWorkerId(*client.workers_[i].stub,
-                             client.workers_[i].endpoint, client.options_,
-                             kRpcTimeout, /*wait_for_ready=*/true);
+        ids[i] =
+            AskWorkerId(*client.workers_[i].stub, client.workers_[i].endpoint,
+                        client.options_, kRpcTimeout, /*wait_for_ready=*/true);
       });
     }
     for (std::thread& t : threads) t.join();
@@ -293,9 +291,9 @@ absl::StatusOr<v1::Session> CalibrationClient::CheckSessionWorkers(
     v1::GetSessionRequest request;
     request.set_session_id(session_id);
     v1::Session session;
-    absl::Status status =
-        ToAbslStatus(w.stub->GetSession(&context, request, &session),
-                     absl::StrCat("GetSession on ", w.id, " (", w.endpoint, ")"));
+    absl::Status status = ToAbslStatus(
+        w.stub->GetSession(&context, request, &session),
+        absl::StrCat("GetSession on ", w.id, " (", w.endpoint, ")"));
     if (status.ok()) {
       have.push_back(w.id);
       sessions.push_back(std::move(session));
@@ -307,10 +305,10 @@ absl::StatusOr<v1::Session> CalibrationClient::CheckSessionWorkers(
     }
   }
   if (have.empty()) return sessions.front().status();
-  const v1::Session& any =
-      *std::find_if(sessions.begin(), sessions.end(),
-                    [](const auto& s) { return s.ok(); })
-           ->operator->();
+  const v1::Session& any = *std::find_if(sessions.begin(), sessions.end(),
+                                         [](const auto& s) { return s.ok(); })
+                                ->
+                                operator->();
   const std::vector<std::string> session_ids(
       any.shard_map().worker_ids().begin(), any.shard_map().worker_ids().end());
   if (!session_ids.empty() && !sharded() && session_ids.size() > 1) {
@@ -328,17 +326,18 @@ absl::StatusOr<v1::Session> CalibrationClient::CheckSessionWorkers(
         "set"));
   }
   if (!lack.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session '", session_id, "' exists on workers ", IdList(have),
-        " but not on ", IdList(lack),
-        session_ids.empty()
-            ? " (it was created over another worker set)"
-            : " (a worker lost it: was its --state-dir lost?)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("session '", session_id, "' exists on workers ",
+                     IdList(have), " but not on ", IdList(lack),
+                     session_ids.empty()
+                         ? " (it was created over another worker set)"
+                         : " (a worker lost it: was its --state-dir lost?)"));
   }
   if (sharded()) {
     if (session_ids.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "session '", session_id, "' has no shard map (created by a single-"
+          "session '", session_id,
+          "' has no shard map (created by a single-"
           "worker or an older client); use it with the one worker or client "
           "that created it"));
     }
@@ -472,10 +471,10 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
   UploadResult total;
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (!results[i].ok()) {
-      return absl::Status(results[i].status().code(),
-                          absl::StrCat(workers_[i].id, " (",
-                                       workers_[i].endpoint, "): ",
-                                       results[i].status().message()));
+      return absl::Status(
+          results[i].status().code(),
+          absl::StrCat(workers_[i].id, " (", workers_[i].endpoint,
+                       "): ", results[i].status().message()));
     }
     const UploadResult& r = *results[i];
     total.chunks += r.chunks;

@@ -85,8 +85,8 @@ class CalibrationClient {
   // it with this client's worker set (or, for one worker, any). Otherwise
   // FAILED_PRECONDITION naming the workers that lack it or what changed.
   // Returns the first worker's Session (with its shard map).
-  absl::StatusOr<v1::Session> CheckSessionWorkers(
-      const std::string& session_id, bool wait_for_ready = false);
+  absl::StatusOr<v1::Session> CheckSessionWorkers(const std::string& session_id,
+                                                  bool wait_for_ready = false);
 
   v1::Calibration::Stub& stub(size_t i) { return *workers_[i].stub; }
 

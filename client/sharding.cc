@@ -13,7 +13,8 @@ uint64_t RendezvousScore(absl::string_view session_id, uint32_t layer,
                          absl::string_view worker_id) {
   std::string key(session_id);
   key.push_back('\0');
-  for (int i = 0; i < 4; ++i) key.push_back(static_cast<char>(layer >> (8 * i)));
+  for (int i = 0; i < 4; ++i)
+    key.push_back(static_cast<char>(layer >> (8 * i)));
   key.append(worker_id.data(), worker_id.size());
   return SplitMix64(Fnv1a64(key));
 }

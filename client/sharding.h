@@ -5,7 +5,8 @@
 // both check.
 //
 //   std::vector<std::string> ids = {"kvcal-worker-0", "kvcal-worker-1"};
-//   size_t owner = kvcal::LayerOwner("run7", /*layer=*/3, ids);  // index in ids
+//   size_t owner = kvcal::LayerOwner("run7", /*layer=*/3, ids);  // index in
+//   ids
 //
 // Adding a worker moves only the layers the new worker wins (about 1/(n+1)
 // of them); removing one moves only its own. The address of a worker never

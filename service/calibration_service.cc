@@ -1,12 +1,11 @@
 #include "service/calibration_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <mutex>
-#include <utility>
-
-#include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -97,10 +96,10 @@ grpc::ServerUnaryReactor* CalibrationService::CreateSession(
         if (!map.empty() &&
             !std::binary_search(map.worker_ids.begin(), map.worker_ids.end(),
                                 options_.worker_id)) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "this worker '", options_.worker_id,
-              "' is not in the session's shard map [",
-              absl::StrJoin(map.worker_ids, ", "), "]"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("this worker '", options_.worker_id,
+                           "' is not in the session's shard map [",
+                           absl::StrJoin(map.worker_ids, ", "), "]"));
         }
         auto session =
             registry_.Create(tenant, request->session_id(), *geometry, map);
@@ -178,17 +177,17 @@ grpc::ServerUnaryReactor* CalibrationService::Finalize(
           return s;
         }
         const uint32_t num_layers = (*session)->geometry().num_layers;
-        for (uint32_t i = 0; i < (request->layers().empty()
-                                      ? num_layers
-                                      : uint32_t(request->layers_size()));
+        for (uint32_t i = 0;
+             i < (request->layers().empty() ? num_layers
+                                            : uint32_t(request->layers_size()));
              ++i) {
           const uint32_t layer =
               request->layers().empty() ? i : request->layers(i);
           if (absl::Status s = CheckLayerOwner(request->session_id(), map,
                                                layer, options_.worker_id);
               !s.ok()) {
-            return absl::Status(s.code(), absl::StrCat("Finalize: ",
-                                                       s.message()));
+            return absl::Status(s.code(),
+                                absl::StrCat("Finalize: ", s.message()));
           }
         }
         absl::StatusOr<ScaleOptions> options = ScaleOptionsFromProto(*request);
@@ -250,20 +249,19 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
     // worker's layer, or from a client sharding over another worker set,
     // must not be applied (it would split statistics across workers).
     const ShardMap map = (*session)->shard_map();
-    absl::Status shard =
-        CheckWorkerSet(request.session_id(), map,
-                       std::vector<std::string>(
-                           request.shard_worker_ids().begin(),
-                           request.shard_worker_ids().end()));
+    absl::Status shard = CheckWorkerSet(
+        request.session_id(), map,
+        std::vector<std::string>(request.shard_worker_ids().begin(),
+                                 request.shard_worker_ids().end()));
     if (shard.ok()) {
       shard = CheckLayerOwner(request.session_id(), map, request.layer(),
                               options_.worker_id);
     }
     if (!shard.ok()) {
       return absl::Status(
-          shard.code(), absl::StrCat("chunk ", request.sequence(),
-                                     " from producer '", producer,
-                                     "': ", shard.message()));
+          shard.code(),
+          absl::StrCat("chunk ", request.sequence(), " from producer '",
+                       producer, "': ", shard.message()));
     }
   }
   absl::StatusOr<IngestOutcome> outcome =

@@ -15,15 +15,15 @@ std::string List(absl::Span<const std::string> ids) {
 }  // namespace
 
 absl::Status ValidateWorkerId(absl::string_view id) {
-  const bool ok =
-      !id.empty() && id.size() <= 128 &&
-      std::all_of(id.begin(), id.end(), [](char c) {
-        return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') ||
-               (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
-      });
+  const bool ok = !id.empty() && id.size() <= 128 &&
+                  std::all_of(id.begin(), id.end(), [](char c) {
+                    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') ||
+                           (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+                           c == '-';
+                  });
   if (ok) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "worker id '", id, "' must match [A-Za-z0-9._-]{1,128}"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("worker id '", id, "' must match [A-Za-z0-9._-]{1,128}"));
 }
 
 absl::Status ValidateShardMap(const ShardMap& map, uint32_t num_layers) {
@@ -40,9 +40,9 @@ absl::Status ValidateShardMap(const ShardMap& map, uint32_t num_layers) {
           absl::StrCat("shard map: ", s.message()));
     }
     if (i > 0 && !(map.worker_ids[i - 1] < map.worker_ids[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "shard map worker ids must be sorted and unique; got ",
-          List(map.worker_ids)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard map worker ids must be sorted and unique; got ",
+                       List(map.worker_ids)));
     }
   }
   if (map.layer_owners.size() != num_layers) {

@@ -7,9 +7,9 @@
 #include <set>
 
 #include "client/calibration_client.h"
-#include "client/sharding.h"
 #include "client/calibration_job.h"
 #include "client/progress.h"
+#include "client/sharding.h"
 #include "client/uploader.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

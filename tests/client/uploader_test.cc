@@ -498,8 +498,7 @@ TEST_F(UploaderTest, ADifferentWorkerSetOrTheWrongWorkerIsRefused) {
   EXPECT_EQ(created.shard_map().layer_owners_size(),
             static_cast<int>(model_.num_layers));
 
-  CalibrationClient three =
-      Connect({a->address(), b->address(), c->address()});
+  CalibrationClient three = Connect({a->address(), b->address(), c->address()});
   auto upload = three.Upload("set", chunks_, {});
   EXPECT_EQ(upload.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(upload.status().message(), HasSubstr("added [c]"));
@@ -526,16 +525,19 @@ TEST_F(UploaderTest, ADifferentWorkerSetOrTheWrongWorkerIsRefused) {
   Uploader wrong(one.channel(0), {}, options);
   auto result = wrong.Upload(b_chunks);
   EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(result.status().message(),
-              HasSubstr(absl::StrCat("layer ", b_layer,
-                                     " of session 'set' belongs to worker 'b'")));
+  EXPECT_THAT(
+      result.status().message(),
+      HasSubstr(absl::StrCat("layer ", b_layer,
+                             " of session 'set' belongs to worker 'b'")));
   options.shard_worker_ids = {"a", "b", "c"};
   Uploader stale(one.channel(0), {}, options);
-  EXPECT_THAT(stale.Upload(b_chunks).status().message(), HasSubstr("added [c]"));
+  EXPECT_THAT(stale.Upload(b_chunks).status().message(),
+              HasSubstr("added [c]"));
   grpc::ClientContext context;
   finalize.add_layers(b_layer);
   v1::FinalizeResponse response;
-  const grpc::Status status = one.stub(0).Finalize(&context, finalize, &response);
+  const grpc::Status status =
+      one.stub(0).Finalize(&context, finalize, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(status.error_message(), HasSubstr("belongs to worker 'b'"));
   // Nothing of it was applied.

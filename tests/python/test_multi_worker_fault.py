@@ -12,8 +12,8 @@ reconnects, the share of layers that moved to the fifth worker, time.
 Bounded: every wait has a timeout; the workers are killed by the fixture."""
 import json
 import os
+import signal
 import subprocess
-import threading
 import time
 
 import numpy as np
@@ -154,7 +154,7 @@ def test_four_workers_a_kill_a_move_and_a_fifth_worker(make_worker, kvcal_cli, t
         time.sleep(0.01)
     still_pushing = [p.poll() is None for p in pushes]
     old_address = workers[victim].target
-    workers[victim].stop(__import__("signal").SIGKILL)
+    workers[victim].stop(signal.SIGKILL)
     killed_at = time.monotonic()
     workers[victim].port = 0  # a new address
     workers[victim].start()
