@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
@@ -231,12 +232,11 @@ class Client:
             finally:
                 probe.close()
             if found == worker.worker_id:
-                worker._channel.close()
+                # The old channel is left to the garbage collector: another
+                # thread may be in a call on it right now.
                 worker._open(endpoint)
-                log_target = endpoint
-                import logging
                 logging.getLogger("kvcal").info("kvcal: worker %s moved to %s",
-                                                worker.worker_id, log_target)
+                                                worker.worker_id, endpoint)
                 return True
         return False
 
