@@ -305,10 +305,20 @@ absl::StatusOr<v1::Session> CalibrationClient::CheckSessionWorkers(
     }
   }
   if (have.empty()) return sessions.front().status();
-  const v1::Session& any = *std::find_if(sessions.begin(), sessions.end(),
-                                         [](const auto& s) { return s.ok(); })
-                                ->
-                                operator->();
+  // The first worker that has the session speaks for it; the others must
+  // hold the same map.
+  const v1::Session& any = **std::find_if(sessions.begin(), sessions.end(),
+                                          [](const auto& s) { return s.ok(); });
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    if (sessions[i].ok() && sessions[i]->shard_map().SerializeAsString() !=
+                                any.shard_map().SerializeAsString()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session '", session_id, "' has different shard maps on workers ",
+          any.worker_id(), " and ", workers_[i].id,
+          " (one of them holds a session of the same name from another "
+          "worker set); delete it there or use a new session id"));
+    }
+  }
   const std::vector<std::string> session_ids(
       any.shard_map().worker_ids().begin(), any.shard_map().worker_ids().end());
   if (!session_ids.empty() && !sharded() && session_ids.size() > 1) {
