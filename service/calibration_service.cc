@@ -167,28 +167,15 @@ grpc::ServerUnaryReactor* CalibrationService::Finalize(
       [this, request, response](const std::string& tenant) -> absl::Status {
         auto session = registry_.Get(tenant, request->session_id());
         if (!session.ok()) return session.status();
-        const ShardMap map = (*session)->shard_map();
-        const std::vector<std::string> client_ids(
-            request->shard_worker_ids().begin(),
-            request->shard_worker_ids().end());
-        if (absl::Status s =
-                CheckWorkerSet(request->session_id(), map, client_ids);
+        const std::vector<uint32_t> layers(request->layers().begin(),
+                                           request->layers().end());
+        if (absl::Status s = (*session)->CheckShard(
+                std::vector<std::string>(request->shard_worker_ids().begin(),
+                                         request->shard_worker_ids().end()),
+                layers, options_.worker_id);
             !s.ok()) {
-          return s;
-        }
-        const uint32_t num_layers = (*session)->geometry().num_layers;
-        for (uint32_t i = 0;
-             i < (request->layers().empty() ? num_layers
-                                            : uint32_t(request->layers_size()));
-             ++i) {
-          const uint32_t layer =
-              request->layers().empty() ? i : request->layers(i);
-          if (absl::Status s = CheckLayerOwner(request->session_id(), map,
-                                               layer, options_.worker_id);
-              !s.ok()) {
-            return absl::Status(s.code(),
-                                absl::StrCat("Finalize: ", s.message()));
-          }
+          return absl::Status(s.code(),
+                              absl::StrCat("Finalize: ", s.message()));
         }
         absl::StatusOr<ScaleOptions> options = ScaleOptionsFromProto(*request);
         if (!options.ok()) return options.status();
@@ -244,25 +231,18 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
         absl::StrCat("chunk ", request.sequence(), " from producer '", producer,
                      "': ", session.status().message()));
   }
-  {
-    // Before anything of the chunk is looked at: a chunk for another
-    // worker's layer, or from a client sharding over another worker set,
-    // must not be applied (it would split statistics across workers).
-    const ShardMap map = (*session)->shard_map();
-    absl::Status shard = CheckWorkerSet(
-        request.session_id(), map,
-        std::vector<std::string>(request.shard_worker_ids().begin(),
-                                 request.shard_worker_ids().end()));
-    if (shard.ok()) {
-      shard = CheckLayerOwner(request.session_id(), map, request.layer(),
-                              options_.worker_id);
-    }
-    if (!shard.ok()) {
-      return absl::Status(
-          shard.code(),
-          absl::StrCat("chunk ", request.sequence(), " from producer '",
-                       producer, "': ", shard.message()));
-    }
+  // Before anything of the chunk is looked at: a chunk for another worker's
+  // layer, or from a client sharding over another worker set, must not be
+  // applied (it would split statistics across workers).
+  const uint32_t layer = request.layer();
+  if (absl::Status shard = (*session)->CheckShard(
+          std::vector<std::string>(request.shard_worker_ids().begin(),
+                                   request.shard_worker_ids().end()),
+          absl::MakeConstSpan(&layer, 1), options_.worker_id);
+      !shard.ok()) {
+    return absl::Status(shard.code(), absl::StrCat("chunk ", request.sequence(),
+                                                   " from producer '", producer,
+                                                   "': ", shard.message()));
   }
   absl::StatusOr<IngestOutcome> outcome =
       (*session)->Ingest(producer, request.sequence(), ChunkFromProto(request));

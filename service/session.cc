@@ -201,6 +201,24 @@ absl::Status Session::AdoptShardMap(const ShardMap& map) {
       "); a changed worker set needs a new session"));
 }
 
+absl::Status Session::CheckShard(const std::vector<std::string>& client_ids,
+                                 absl::Span<const uint32_t> layers,
+                                 absl::string_view worker_id) {
+  std::lock_guard<std::mutex> lock(shard_map_mu_);
+  if (shard_map_.empty()) return absl::OkStatus();
+  KVCAL_RETURN_IF_ERROR(CheckWorkerSet(id_, shard_map_, client_ids));
+  if (layers.empty()) {
+    for (uint32_t l = 0; l < geometry_.num_layers; ++l) {
+      KVCAL_RETURN_IF_ERROR(CheckLayerOwner(id_, shard_map_, l, worker_id));
+    }
+    return absl::OkStatus();
+  }
+  for (uint32_t l : layers) {
+    KVCAL_RETURN_IF_ERROR(CheckLayerOwner(id_, shard_map_, l, worker_id));
+  }
+  return absl::OkStatus();
+}
+
 ShardMap Session::shard_map() {
   std::lock_guard<std::mutex> lock(shard_map_mu_);
   return shard_map_;

@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "kernels/backend.h"
 #include "kernels/scale_math.h"
 #include "service/shard_map.h"
@@ -121,6 +122,13 @@ class Session {
   // map is FailedPrecondition naming what changed.
   absl::Status AdoptShardMap(const ShardMap& map);
   ShardMap shard_map();
+  // For a chunk or Finalize on worker `worker_id`: the client's worker set
+  // (empty = not given) must be the map's, and every layer of `layers`
+  // (empty = all) this worker's; FailedPrecondition naming what changed or
+  // the owner otherwise. A session without a map passes.
+  absl::Status CheckShard(const std::vector<std::string>& client_ids,
+                          absl::Span<const uint32_t> layers,
+                          absl::string_view worker_id);
 
   // Records that `producers` (watermarks of a snapshot now on disk) are
   // durable: each producer's durable watermark becomes at least that.
