@@ -11,9 +11,13 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "client/safetensors.h"
+#include "client/sharding.h"
 #include "kernels/status_macros.h"
 
 namespace kvcal {
@@ -29,11 +33,78 @@ void AddCounters(const v1::Session& from, v1::Session& to) {
   to.set_state_bytes(to.state_bytes() + from.state_bytes());
 }
 
+std::string IdList(absl::Span<const std::string> ids) {
+  return absl::StrCat("[", absl::StrJoin(ids, ", "), "]");
+}
+
+// "added [e], missing [c]" from the session's set to the client's.
+std::string WorkerSetChange(std::vector<std::string> session_ids,
+                            std::vector<std::string> client_ids) {
+  std::sort(session_ids.begin(), session_ids.end());
+  std::sort(client_ids.begin(), client_ids.end());
+  std::vector<std::string> added, missing;
+  std::set_difference(client_ids.begin(), client_ids.end(), session_ids.begin(),
+                      session_ids.end(), std::back_inserter(added));
+  std::set_difference(session_ids.begin(), session_ids.end(),
+                      client_ids.begin(), client_ids.end(),
+                      std::back_inserter(missing));
+  std::vector<std::string> parts;
+  if (!added.empty()) parts.push_back(absl::StrCat("added ", IdList(added)));
+  if (!missing.empty()) {
+    parts.push_back(absl::StrCat("missing ", IdList(missing)));
+  }
+  if (parts.empty()) parts.push_back("same ids, different layer owners");
+  return absl::StrJoin(parts, ", ");
+}
+
+absl::StatusOr<std::string> AskWorkerId(v1::Calibration::Stub& stub,
+                                        const std::string& endpoint,
+                                        const ConnectionOptions& options,
+                                        absl::Duration timeout,
+                                        bool wait_for_ready) {
+  grpc::ClientContext context;
+  PrepareContext(context, options, timeout, wait_for_ready);
+  v1::WorkerInfo info;
+  const grpc::Status status =
+      stub.GetWorkerInfo(&context, v1::GetWorkerInfoRequest(), &info);
+  // A worker older than GetWorkerInfo: its address is all it has.
+  if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED) return endpoint;
+  KVCAL_RETURN_IF_ERROR(
+      ToAbslStatus(status, absl::StrCat("GetWorkerInfo on ", endpoint)));
+  if (info.worker_id().empty()) return endpoint;
+  return info.worker_id();
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<std::string>> ExpandEndpoint(
     absl::string_view endpoint) {
   constexpr absl::string_view kDns = "dns:///";
+  constexpr absl::string_view kFile = "file:";
+  if (absl::StartsWith(endpoint, kFile)) {
+    const std::string path(endpoint.substr(kFile.size()));
+    KVCAL_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path));
+    std::vector<std::string> out;
+    for (absl::string_view line : absl::StrSplit(text, '\n')) {
+      line = line.substr(0, line.find('#'));
+      for (absl::string_view e : absl::StrSplit(line, ',', absl::SkipEmpty())) {
+        e = absl::StripAsciiWhitespace(e);
+        if (e.empty()) continue;
+        if (absl::StartsWith(e, kFile)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(path, ": endpoint files do not nest"));
+        }
+        KVCAL_ASSIGN_OR_RETURN(std::vector<std::string> expanded,
+                               ExpandEndpoint(e));
+        out.insert(out.end(), expanded.begin(), expanded.end());
+      }
+    }
+    if (out.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " lists no endpoint"));
+    }
+    return out;
+  }
   if (!absl::StartsWith(endpoint, kDns))
     return std::vector<std::string>{std::string(endpoint)};
   const absl::string_view target = endpoint.substr(kDns.size());
@@ -77,52 +148,131 @@ absl::StatusOr<std::vector<std::string>> ExpandEndpoint(
 }
 
 size_t CalibrationClient::WorkerFor(absl::string_view session_id,
-                                    uint32_t layer, size_t workers) {
-  if (workers <= 1) return 0;
-  uint64_t hash = 0xcbf29ce484222325ull;
-  auto mix = [&](unsigned char byte) {
-    hash ^= byte;
-    hash *= 0x100000001b3ull;
-  };
-  for (char c : session_id) mix(static_cast<unsigned char>(c));
-  for (int i = 0; i < 4; ++i) mix(static_cast<unsigned char>(layer >> (8 * i)));
-  return static_cast<size_t>(hash % workers);
+                                    uint32_t layer) const {
+  return LayerOwner(session_id, layer, ids_);
+}
+
+absl::StatusOr<std::vector<std::string>> CalibrationClient::ExpandAll() const {
+  std::vector<std::string> out;
+  for (const std::string& list : specs_) {
+    for (absl::string_view e : absl::StrSplit(list, ',', absl::SkipEmpty())) {
+      KVCAL_ASSIGN_OR_RETURN(std::vector<std::string> expanded,
+                             ExpandEndpoint(e));
+      out.insert(out.end(), expanded.begin(), expanded.end());
+    }
+  }
+  return out;
+}
+
+std::shared_ptr<grpc::Channel> CalibrationClient::FindMovedWorker(
+    const std::string& id, std::string current, std::string* found_at) const {
+  absl::StatusOr<std::vector<std::string>> endpoints = ExpandAll();
+  if (!endpoints.ok()) return nullptr;
+  for (const std::string& endpoint : *endpoints) {
+    if (endpoint == current) continue;
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+        MakeChannel(endpoint, options_);
+    if (!channel.ok()) continue;
+    auto stub = v1::Calibration::NewStub(*channel);
+    absl::StatusOr<std::string> found =
+        AskWorkerId(*stub, endpoint, options_, absl::Seconds(1),
+                    /*wait_for_ready=*/false);
+    if (found.ok() && *found == id) {
+      *found_at = endpoint;
+      return *channel;
+    }
+  }
+  return nullptr;
 }
 
 absl::StatusOr<CalibrationClient> CalibrationClient::Connect(
     const std::vector<std::string>& endpoints, ConnectionOptions options) {
   CalibrationClient client;
   client.options_ = std::move(options);
-  for (const std::string& list : endpoints) {
-    for (absl::string_view e : absl::StrSplit(list, ',', absl::SkipEmpty())) {
-      KVCAL_ASSIGN_OR_RETURN(std::vector<std::string> expanded,
-                             ExpandEndpoint(e));
-      for (std::string& endpoint : expanded) {
-        Worker w;
-        w.endpoint = std::move(endpoint);
-        KVCAL_ASSIGN_OR_RETURN(w.channel,
-                               MakeChannel(w.endpoint, client.options_));
-        w.stub = v1::Calibration::NewStub(w.channel);
-        client.workers_.push_back(std::move(w));
-      }
-    }
+  client.specs_ = endpoints;
+  KVCAL_ASSIGN_OR_RETURN(std::vector<std::string> expanded, client.ExpandAll());
+  for (std::string& endpoint : expanded) {
+    Worker w;
+    w.endpoint = std::move(endpoint);
+    KVCAL_ASSIGN_OR_RETURN(w.channel, MakeChannel(w.endpoint, client.options_));
+    w.stub = v1::Calibration::NewStub(w.channel);
+    client.workers_.push_back(std::move(w));
   }
   if (client.workers_.empty()) {
     return absl::InvalidArgumentError("no server given (--server host:port)");
   }
+  if (client.workers_.size() == 1) {
+    // One worker holds every layer: no shard map, no id needed.
+    client.workers_[0].id = client.workers_[0].endpoint;
+    client.ids_.push_back(client.workers_[0].id);
+    return client;
+  }
+  // Every worker's stable id, asked in parallel (each waits for its worker
+  // to come up, as CreateSession always did).
+  std::vector<absl::StatusOr<std::string>> ids(client.workers_.size(),
+                                               std::string());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < client.workers_.size(); ++i) {
+      threads.emplace_back([&, i] {
+        ids[i] =
+            AskWorkerId(*client.workers_[i].stub, client.workers_[i].endpoint,
+                        client.options_, kRpcTimeout, /*wait_for_ready=*/true);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (size_t i = 0; i < client.workers_.size(); ++i) {
+    if (!ids[i].ok()) return ids[i].status();
+    client.workers_[i].id = *std::move(ids[i]);
+  }
+  std::sort(client.workers_.begin(), client.workers_.end(),
+            [](const Worker& a, const Worker& b) { return a.id < b.id; });
+  for (size_t i = 1; i < client.workers_.size(); ++i) {
+    if (client.workers_[i - 1].id == client.workers_[i].id) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "workers ", client.workers_[i - 1].endpoint, " and ",
+          client.workers_[i].endpoint, " both report worker id '",
+          client.workers_[i].id,
+          "' (the same worker listed twice, or two workers without their own "
+          "--worker-id); layers are assigned by id, so each worker needs its "
+          "own"));
+    }
+  }
+  for (const Worker& w : client.workers_) client.ids_.push_back(w.id);
   return client;
 }
 
 absl::StatusOr<v1::Session> CalibrationClient::CreateSession(
     v1::CreateSessionRequest request) {
   v1::Session first;
+  if (sharded()) {
+    if (request.session_id().empty()) {
+      // The shard map depends on the id: let the first worker pick it (it
+      // takes the map with the second call below).
+      grpc::ClientContext context;
+      PrepareContext(context, options_, kRpcTimeout, /*wait_for_ready=*/true);
+      v1::Session session;
+      KVCAL_RETURN_IF_ERROR(ToAbslStatus(
+          workers_[0].stub->CreateSession(&context, request, &session),
+          absl::StrCat("CreateSession on ", workers_[0].endpoint)));
+      request.set_session_id(session.session_id());
+    }
+    v1::ShardMap* map = request.mutable_shard_map();
+    for (const std::string& id : ids_) map->add_worker_ids(id);
+    for (uint32_t owner :
+         LayerOwners(request.session_id(), request.num_layers(), ids_)) {
+      map->add_layer_owners(owner);
+    }
+  }
   for (size_t i = 0; i < workers_.size(); ++i) {
     grpc::ClientContext context;
     PrepareContext(context, options_, kRpcTimeout, /*wait_for_ready=*/true);
     v1::Session session;
     KVCAL_RETURN_IF_ERROR(ToAbslStatus(
         workers_[i].stub->CreateSession(&context, request, &session),
-        absl::StrCat("CreateSession on ", workers_[i].endpoint)));
+        absl::StrCat("CreateSession on ", workers_[i].id, " (",
+                     workers_[i].endpoint, ")")));
     if (i == 0) {
       first = session;
       request.set_session_id(session.session_id());
@@ -131,8 +281,95 @@ absl::StatusOr<v1::Session> CalibrationClient::CreateSession(
   return first;
 }
 
+absl::StatusOr<v1::Session> CalibrationClient::CheckSessionWorkers(
+    const std::string& session_id, bool wait_for_ready) {
+  std::vector<absl::StatusOr<v1::Session>> sessions;
+  std::vector<std::string> have, lack;
+  for (const Worker& w : workers_) {
+    grpc::ClientContext context;
+    PrepareContext(context, options_, kRpcTimeout, wait_for_ready);
+    v1::GetSessionRequest request;
+    request.set_session_id(session_id);
+    v1::Session session;
+    absl::Status status = ToAbslStatus(
+        w.stub->GetSession(&context, request, &session),
+        absl::StrCat("GetSession on ", w.id, " (", w.endpoint, ")"));
+    if (status.ok()) {
+      have.push_back(w.id);
+      sessions.push_back(std::move(session));
+    } else if (status.code() == absl::StatusCode::kNotFound) {
+      lack.push_back(w.id);
+      sessions.push_back(status);
+    } else {
+      return status;
+    }
+  }
+  if (have.empty()) return sessions.front().status();
+  // The first worker that has the session speaks for it; the others must
+  // hold the same map.
+  const v1::Session& any = **std::find_if(sessions.begin(), sessions.end(),
+                                          [](const auto& s) { return s.ok(); });
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    if (sessions[i].ok() && sessions[i]->shard_map().SerializeAsString() !=
+                                any.shard_map().SerializeAsString()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session '", session_id, "' has different shard maps on workers ",
+          any.worker_id(), " and ", workers_[i].id,
+          " (one of them holds a session of the same name from another "
+          "worker set); delete it there or use a new session id"));
+    }
+  }
+  const std::vector<std::string> session_ids(
+      any.shard_map().worker_ids().begin(), any.shard_map().worker_ids().end());
+  if (!session_ids.empty() && !sharded() && session_ids.size() > 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", session_id, "' is sharded over workers ",
+        IdList(session_ids), "; this client has only ", workers_[0].endpoint,
+        " (missing the others): give every worker of the session"));
+  }
+  if (!session_ids.empty() && sharded() && session_ids != ids_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", session_id, "' is sharded over workers ",
+        IdList(session_ids), "; this client has ", IdList(ids_), " (",
+        WorkerSetChange(session_ids, ids_),
+        "); give the session's workers, or create a new session for this "
+        "set"));
+  }
+  if (!lack.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session '", session_id, "' exists on workers ",
+                     IdList(have), " but not on ", IdList(lack),
+                     session_ids.empty()
+                         ? " (it was created over another worker set)"
+                         : " (a worker lost it: was its --state-dir lost?)"));
+  }
+  if (sharded()) {
+    if (session_ids.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session '", session_id,
+          "' has no shard map (created by a single-"
+          "worker or an older client); use it with the one worker or client "
+          "that created it"));
+    }
+    const std::vector<uint32_t> owners =
+        LayerOwners(session_id, any.num_layers(), ids_);
+    if (!std::equal(owners.begin(), owners.end(),
+                    any.shard_map().layer_owners().begin(),
+                    any.shard_map().layer_owners().end())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session '", session_id,
+          "' assigns layers to workers differently from this client's "
+          "rendezvous hashing (a client with another sharding rule created "
+          "it)"));
+    }
+  }
+  return any;
+}
+
 absl::StatusOr<v1::Session> CalibrationClient::GetSession(
     const std::string& session_id) {
+  KVCAL_RETURN_IF_ERROR(
+      CheckSessionWorkers(session_id, /*wait_for_ready=*/false).status());
   v1::Session total;
   for (size_t i = 0; i < workers_.size(); ++i) {
     grpc::ClientContext context;
@@ -157,7 +394,8 @@ absl::StatusOr<v1::Session> CalibrationClient::GetSession(
       v1::ProducerWatermark* out = total.add_producers();
       *out = p;
       if (workers_.size() > 1) {
-        out->set_producer_id(absl::StrCat("w", i, "/", p.producer_id()));
+        out->set_producer_id(
+            absl::StrCat(workers_[i].id, "/", p.producer_id()));
       }
     }
   }
@@ -202,27 +440,51 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
     UploaderOptions options) {
   options.session_id = session_id;
   if (!options.counters) options.counters = std::make_shared<UploadCounters>();
+  // Waits for workers that are coming up, as the uploaders would.
+  KVCAL_RETURN_IF_ERROR(
+      CheckSessionWorkers(session_id, /*wait_for_ready=*/true).status());
+  if (sharded()) options.shard_worker_ids = ids_;
   std::vector<std::vector<ChunkView>> per_worker(workers_.size());
   for (const ChunkView& c : chunks) {
-    per_worker[WorkerFor(session_id, c.layer, workers_.size())].push_back(c);
+    per_worker[WorkerFor(session_id, c.layer)].push_back(c);
   }
+  // Where a worker was found again under a new address (per worker; each
+  // upload thread writes only its own).
+  std::vector<std::string> moved_to(workers_.size());
   std::vector<absl::StatusOr<UploadResult>> results(
       workers_.size(), absl::StatusOr<UploadResult>(UploadResult{}));
   std::vector<std::thread> threads;
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (per_worker[i].empty()) continue;
     threads.emplace_back([&, i] {
-      Uploader uploader(workers_[i].channel, options_, options);
+      UploaderOptions mine = options;
+      mine.relocate = [this, i, &moved_to]() {
+        return FindMovedWorker(
+            workers_[i].id,
+            moved_to[i].empty() ? workers_[i].endpoint : moved_to[i],
+            &moved_to[i]);
+      };
+      Uploader uploader(workers_[i].channel, options_, std::move(mine));
       results[i] = uploader.Upload(per_worker[i]);
     });
   }
   for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (moved_to[i].empty()) continue;
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+        MakeChannel(moved_to[i], options_);
+    if (!channel.ok()) continue;
+    workers_[i].endpoint = moved_to[i];
+    workers_[i].channel = *channel;
+    workers_[i].stub = v1::Calibration::NewStub(*channel);
+  }
   UploadResult total;
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (!results[i].ok()) {
-      return absl::Status(results[i].status().code(),
-                          absl::StrCat(workers_[i].endpoint, ": ",
-                                       results[i].status().message()));
+      return absl::Status(
+          results[i].status().code(),
+          absl::StrCat(workers_[i].id, " (", workers_[i].endpoint,
+                       "): ", results[i].status().message()));
     }
     const UploadResult& r = *results[i];
     total.chunks += r.chunks;
@@ -240,15 +502,18 @@ absl::StatusOr<v1::FinalizeResponse> CalibrationClient::Finalize(
     v1::FinalizeRequest request) {
   std::vector<uint32_t> layers(request.layers().begin(),
                                request.layers().end());
+  KVCAL_ASSIGN_OR_RETURN(v1::Session session,
+                         CheckSessionWorkers(request.session_id(),
+                                             /*wait_for_ready=*/false));
   if (layers.empty()) {
-    KVCAL_ASSIGN_OR_RETURN(v1::Session session,
-                           GetSession(request.session_id()));
     for (uint32_t l = 0; l < session.num_layers(); ++l) layers.push_back(l);
+  }
+  if (sharded()) {
+    for (const std::string& id : ids_) request.add_shard_worker_ids(id);
   }
   std::vector<std::vector<uint32_t>> per_worker(workers_.size());
   for (uint32_t l : layers) {
-    per_worker[WorkerFor(request.session_id(), l, workers_.size())].push_back(
-        l);
+    per_worker[WorkerFor(request.session_id(), l)].push_back(l);
   }
   v1::FinalizeResponse total;
   for (size_t i = 0; i < workers_.size(); ++i) {
@@ -261,7 +526,8 @@ absl::StatusOr<v1::FinalizeResponse> CalibrationClient::Finalize(
     v1::FinalizeResponse response;
     KVCAL_RETURN_IF_ERROR(
         ToAbslStatus(workers_[i].stub->Finalize(&context, part, &response),
-                     absl::StrCat("Finalize on ", workers_[i].endpoint)));
+                     absl::StrCat("Finalize on ", workers_[i].id, " (",
+                                  workers_[i].endpoint, ")")));
     for (v1::LayerScales& l : *response.mutable_layers()) {
       *total.add_layers() = std::move(l);
     }

@@ -80,8 +80,9 @@ absl::StatusOr<VllmLoadOptions> InspectOptions(const Args& a) {
 
 void AddConnection(CLI::App* app, ConnectionArgs& c) {
   app->add_option("--server", c.servers,
-                  "worker host:port; repeat or comma-separate for several "
-                  "(layers are sharded by a stable hash)")
+                  "worker host:port; repeat or comma-separate for several, "
+                  "dns:///name:port for every address of a name, file:PATH "
+                  "for a list (layers are sharded by worker id)")
       ->envname("KVCAL_SERVER")
       ->required()
       ->delimiter(',');

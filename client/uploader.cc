@@ -53,6 +53,9 @@ v1::IngestRequest MakeRequest(const ChunkView& chunk, uint64_t sequence,
   request.set_head_offset(chunk.head_offset);
   request.set_data(reinterpret_cast<const char*>(chunk.data.data()),
                    chunk.data.size());
+  for (const std::string& id : options.shard_worker_ids) {
+    request.add_shard_worker_ids(id);
+  }
   return request;
 }
 
@@ -141,8 +144,31 @@ Uploader::Uploader(std::shared_ptr<grpc::Channel> channel,
 }
 
 absl::StatusOr<Uploader::ProducerState> Uploader::State(bool wait_for_ready) {
+  if (!wait_for_ready || !options_.relocate) {
+    return StateOnce(options_.rpc_timeout, wait_for_ready);
+  }
+  // Wait for the worker as long as before, but look for it under a new
+  // address about once a second.
+  const absl::Time deadline = absl::Now() + options_.rpc_timeout;
+  for (;;) {
+    if (std::shared_ptr<grpc::Channel> moved = options_.relocate()) {
+      channel_ = std::move(moved);
+      stub_ = v1::Calibration::NewStub(channel_);
+    }
+    const absl::Duration left = deadline - absl::Now();
+    absl::StatusOr<ProducerState> state =
+        StateOnce(std::clamp(left, absl::Milliseconds(100), absl::Seconds(1)),
+                  /*wait_for_ready=*/true);
+    if (state.ok() || !Retriable(state.status()) || absl::Now() >= deadline) {
+      return state;
+    }
+  }
+}
+
+absl::StatusOr<Uploader::ProducerState> Uploader::StateOnce(
+    absl::Duration timeout, bool wait_for_ready) {
   grpc::ClientContext context;
-  PrepareContext(context, connection_, options_.rpc_timeout, wait_for_ready);
+  PrepareContext(context, connection_, timeout, wait_for_ready);
   v1::GetSessionRequest request;
   request.set_session_id(options_.session_id);
   v1::Session session;

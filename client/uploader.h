@@ -64,6 +64,15 @@ struct UploaderOptions {
   bool wait_durable = true;
   absl::Duration durable_timeout = absl::Seconds(120);
   std::shared_ptr<UploadCounters> counters;
+  // Sent with every chunk (IngestRequest.shard_worker_ids): the worker set a
+  // sharding client assigned layers over; the worker refuses chunks from a
+  // client whose set differs from the session's. Empty for one worker.
+  std::vector<std::string> shard_worker_ids;
+  // While reconnecting, asked about once a second for the worker's current
+  // channel: a sharding client re-resolves its endpoints and finds the
+  // worker by its id, so a worker restarted under a new address is followed.
+  // Returning null keeps the channel.
+  std::function<std::shared_ptr<grpc::Channel>()> relocate;
   // Test hook, called on the reader thread after each acknowledgement with
   // its sequence; returning false cuts the stream (as a network failure
   // would) and the uploader recovers.
@@ -100,6 +109,8 @@ class Uploader {
   };
   absl::StatusOr<ProducerState> State(bool wait_for_ready);
   absl::StatusOr<uint64_t> Watermark(bool wait_for_ready);
+  absl::StatusOr<ProducerState> StateOnce(absl::Duration timeout,
+                                          bool wait_for_ready);
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Calibration::Stub> stub_;

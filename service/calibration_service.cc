@@ -1,11 +1,15 @@
 #include "service/calibration_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "service/grpc_status.h"
 #include "service/log.h"
 #include "service/proto_convert.h"
@@ -88,9 +92,23 @@ grpc::ServerUnaryReactor* CalibrationService::CreateSession(
       [this, request, response](const std::string& tenant) -> absl::Status {
         absl::StatusOr<Geometry> geometry = GeometryFromProto(*request);
         if (!geometry.ok()) return geometry.status();
+        const ShardMap map = ShardMapFromProto(request->shard_map());
+        if (!map.empty() &&
+            !std::binary_search(map.worker_ids.begin(), map.worker_ids.end(),
+                                options_.worker_id)) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("this worker '", options_.worker_id,
+                           "' is not in the session's shard map [",
+                           absl::StrJoin(map.worker_ids, ", "), "]"));
+        }
         auto session =
-            registry_.Create(tenant, request->session_id(), *geometry);
+            registry_.Create(tenant, request->session_id(), *geometry, map);
         if (!session.ok()) return session.status();
+        if (persister_ != nullptr) {
+          // A failing disk is reported (metrics, /healthz) and the session
+          // still serves, as with periodic snapshots.
+          (void)persister_->Save(*session);
+        }
         auto info = (*session)->Info();
         if (!info.ok()) return info.status();
         SessionToProto(*info, response);
@@ -149,6 +167,16 @@ grpc::ServerUnaryReactor* CalibrationService::Finalize(
       [this, request, response](const std::string& tenant) -> absl::Status {
         auto session = registry_.Get(tenant, request->session_id());
         if (!session.ok()) return session.status();
+        const std::vector<uint32_t> layers(request->layers().begin(),
+                                           request->layers().end());
+        if (absl::Status s = (*session)->CheckShard(
+                std::vector<std::string>(request->shard_worker_ids().begin(),
+                                         request->shard_worker_ids().end()),
+                layers, options_.worker_id);
+            !s.ok()) {
+          return absl::Status(s.code(),
+                              absl::StrCat("Finalize: ", s.message()));
+        }
         absl::StatusOr<ScaleOptions> options = ScaleOptionsFromProto(*request);
         if (!options.ok()) return options.status();
         auto result = (*session)->Finalize(*options);
@@ -203,6 +231,19 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
         absl::StrCat("chunk ", request.sequence(), " from producer '", producer,
                      "': ", session.status().message()));
   }
+  // Before anything of the chunk is looked at: a chunk for another worker's
+  // layer, or from a client sharding over another worker set, must not be
+  // applied (it would split statistics across workers).
+  const uint32_t layer = request.layer();
+  if (absl::Status shard = (*session)->CheckShard(
+          std::vector<std::string>(request.shard_worker_ids().begin(),
+                                   request.shard_worker_ids().end()),
+          absl::MakeConstSpan(&layer, 1), options_.worker_id);
+      !shard.ok()) {
+    return absl::Status(shard.code(), absl::StrCat("chunk ", request.sequence(),
+                                                   " from producer '", producer,
+                                                   "': ", shard.message()));
+  }
   absl::StatusOr<IngestOutcome> outcome =
       (*session)->Ingest(producer, request.sequence(), ChunkFromProto(request));
   if (!outcome.ok()) return outcome.status();
@@ -226,6 +267,19 @@ void CalibrationService::SessionToProto(const SessionInfo& info,
                                         pb::Session* out) const {
   SessionInfoToProto(info, out);
   out->set_persistent(persister_ != nullptr);
+  out->set_worker_id(options_.worker_id);
+}
+
+grpc::ServerUnaryReactor* CalibrationService::GetWorkerInfo(
+    grpc::CallbackServerContext* context,
+    const pb::GetWorkerInfoRequest* /*request*/, pb::WorkerInfo* response) {
+  return Unary(context, "GetWorkerInfo", /*offload=*/false,
+               [this, response](const std::string& /*tenant*/) {
+                 response->set_worker_id(options_.worker_id);
+                 response->set_backend(options_.backend_name);
+                 response->set_persistent(persister_ != nullptr);
+                 return absl::OkStatus();
+               });
 }
 
 void CalibrationService::AddInflight(int64_t delta) {

@@ -34,6 +34,10 @@ struct ServiceOptions {
   uint64_t max_inflight_bytes = 256ull << 20;
   // Chunks one stream may hold received but not applied.
   int max_pending_per_stream = 4;
+  // This worker's stable identity (--worker-id) and backend, reported by
+  // GetWorkerInfo and checked against session shard maps.
+  std::string worker_id = "worker";
+  std::string backend_name = "cpu";
 };
 
 class IngestReactor;
@@ -92,6 +96,10 @@ class CalibrationService final
       grpc::CallbackServerContext* context,
       const kvcal::v1::ImportStateRequest* request,
       kvcal::v1::Session* response) override;
+  grpc::ServerUnaryReactor* GetWorkerInfo(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::GetWorkerInfoRequest* request,
+      kvcal::v1::WorkerInfo* response) override;
 
  private:
   friend class IngestReactor;

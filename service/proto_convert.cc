@@ -107,6 +107,22 @@ void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out) {
   }
   out->set_backend(info.backend);
   out->set_state_bytes(info.state_bytes);
+  if (!info.shard_map.empty()) {
+    ShardMapToProto(info.shard_map, out->mutable_shard_map());
+  }
+}
+
+ShardMap ShardMapFromProto(const kvcal::v1::ShardMap& map) {
+  ShardMap out;
+  out.worker_ids.assign(map.worker_ids().begin(), map.worker_ids().end());
+  out.layer_owners.assign(map.layer_owners().begin(), map.layer_owners().end());
+  return out;
+}
+
+void ShardMapToProto(const ShardMap& map, kvcal::v1::ShardMap* out) {
+  for (const std::string& id : map.worker_ids) out->add_worker_ids(id);
+  out->mutable_layer_owners()->Add(map.layer_owners.begin(),
+                                   map.layer_owners.end());
 }
 
 void ScaleResultToProto(const ScaleResult& result,
@@ -154,6 +170,9 @@ void SnapshotToProto(const std::string& session_id,
   for (const std::string& id : snapshot.applied_import_ids) {
     out->add_applied_import_ids(id);
   }
+  if (!snapshot.shard_map.empty()) {
+    ShardMapToProto(snapshot.shard_map, out->mutable_shard_map());
+  }
 }
 
 absl::StatusOr<SessionSnapshot> SnapshotFromProto(
@@ -189,6 +208,8 @@ absl::StatusOr<SessionSnapshot> SnapshotFromProto(
   }
   snapshot.applied_import_ids.assign(state.applied_import_ids().begin(),
                                      state.applied_import_ids().end());
+  snapshot.shard_map = ShardMapFromProto(state.shard_map());
+  KVCAL_RETURN_IF_ERROR(ValidateShardMap(snapshot.shard_map, g.num_layers));
   return snapshot;
 }
 

@@ -23,6 +23,9 @@ ChunkView ChunkFromProto(const kvcal::v1::IngestRequest& request);
 absl::StatusOr<ScaleOptions> ScaleOptionsFromProto(
     const kvcal::v1::FinalizeRequest& request);
 
+ShardMap ShardMapFromProto(const kvcal::v1::ShardMap& map);
+void ShardMapToProto(const ShardMap& map, kvcal::v1::ShardMap* out);
+
 void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out);
 void ScaleResultToProto(const ScaleResult& result,
                         kvcal::v1::FinalizeResponse* out);

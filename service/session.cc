@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "kernels/status_macros.h"
 
 namespace kvcal::service {
@@ -54,6 +55,7 @@ absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
     producer->watermark = info.watermark;
     producer->durable_watermark = info.durable_watermark;
   }
+  session->shard_map_ = snapshot.shard_map;
   session->applied_import_ids_.insert(snapshot.applied_import_ids.begin(),
                                       snapshot.applied_import_ids.end());
   if (!import_id.empty()) {
@@ -151,6 +153,7 @@ absl::StatusOr<SessionInfo> Session::Info() {
   info.backend = std::string(backend_->name());
   info.state_bytes = backend_->StateBytes();
   info.producers = ProducerInfos();
+  info.shard_map = shard_map();
   info.counters.chunks_applied = chunks_applied_.load();
   info.counters.values_ingested = values_ingested_.load();
   info.counters.bytes_ingested = bytes_ingested_.load();
@@ -185,7 +188,47 @@ absl::StatusOr<SessionSnapshot> Session::Export() {
   snapshot.producers = ProducerInfos();
   snapshot.applied_import_ids.assign(applied_import_ids_.begin(),
                                      applied_import_ids_.end());
+  snapshot.shard_map = shard_map();
   return snapshot;
+}
+
+absl::Status Session::AdoptShardMap(const ShardMap& map) {
+  if (map.empty()) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(shard_map_mu_);
+  if (shard_map_.empty()) {
+    shard_map_ = map;
+    generation_.fetch_add(1);  // the persister writes it
+    return absl::OkStatus();
+  }
+  if (shard_map_ == map) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "session '", id_, "' exists with a different shard map: ",
+      DescribeWorkerSetChange(shard_map_.worker_ids, map.worker_ids),
+      " (its workers: ", absl::StrJoin(shard_map_.worker_ids, ", "),
+      "); a changed worker set needs a new session"));
+}
+
+absl::Status Session::CheckShard(const std::vector<std::string>& client_ids,
+                                 absl::Span<const uint32_t> layers,
+                                 absl::string_view worker_id) {
+  std::lock_guard<std::mutex> lock(shard_map_mu_);
+  if (shard_map_.empty()) return absl::OkStatus();
+  KVCAL_RETURN_IF_ERROR(CheckWorkerSet(id_, shard_map_, client_ids));
+  if (layers.empty()) {
+    for (uint32_t l = 0; l < geometry_.num_layers; ++l) {
+      KVCAL_RETURN_IF_ERROR(CheckLayerOwner(id_, shard_map_, l, worker_id));
+    }
+    return absl::OkStatus();
+  }
+  for (uint32_t l : layers) {
+    KVCAL_RETURN_IF_ERROR(CheckLayerOwner(id_, shard_map_, l, worker_id));
+  }
+  return absl::OkStatus();
+}
+
+ShardMap Session::shard_map() {
+  std::lock_guard<std::mutex> lock(shard_map_mu_);
+  return shard_map_;
 }
 
 absl::Status Session::Merge(const SessionSnapshot& snapshot,
@@ -222,6 +265,10 @@ absl::Status Session::Merge(const SessionSnapshot& snapshot,
   applied_import_ids_.insert(snapshot.applied_import_ids.begin(),
                              snapshot.applied_import_ids.end());
   if (!import_id.empty()) applied_import_ids_.insert(std::string(import_id));
+  {
+    std::lock_guard<std::mutex> lock(shard_map_mu_);
+    if (shard_map_.empty()) shard_map_ = snapshot.shard_map;
+  }
   generation_.fetch_add(1);
   return absl::OkStatus();
 }

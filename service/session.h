@@ -23,8 +23,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "kernels/backend.h"
 #include "kernels/scale_math.h"
+#include "service/shard_map.h"
 
 namespace kvcal::service {
 
@@ -54,6 +56,7 @@ struct SessionInfo {
   std::vector<ProducerInfo> producers;  // sorted by producer_id
   std::string backend;
   uint64_t state_bytes = 0;
+  ShardMap shard_map;
 };
 
 // Everything needed to recreate or merge a session (CONTRACT.md "State").
@@ -63,6 +66,7 @@ struct SessionSnapshot {
   SessionCounters counters;
   std::vector<ProducerInfo> producers;
   std::vector<std::string> applied_import_ids;
+  ShardMap shard_map;
 };
 
 struct IngestOutcome {
@@ -113,6 +117,19 @@ class Session {
   absl::Status Merge(const SessionSnapshot& snapshot,
                      absl::string_view import_id);
 
+  // Records the session's shard map (validated by the caller). A session
+  // without one takes it; one with an equal map is unchanged; a different
+  // map is FailedPrecondition naming what changed.
+  absl::Status AdoptShardMap(const ShardMap& map);
+  ShardMap shard_map();
+  // For a chunk or Finalize on worker `worker_id`: the client's worker set
+  // (empty = not given) must be the map's, and every layer of `layers`
+  // (empty = all) this worker's; FailedPrecondition naming what changed or
+  // the owner otherwise. A session without a map passes.
+  absl::Status CheckShard(const std::vector<std::string>& client_ids,
+                          absl::Span<const uint32_t> layers,
+                          absl::string_view worker_id);
+
   // Records that `producers` (watermarks of a snapshot now on disk) are
   // durable: each producer's durable watermark becomes at least that.
   void MarkDurable(const std::vector<ProducerInfo>& producers);
@@ -154,6 +171,8 @@ class Session {
   std::atomic<uint64_t> values_ingested_{0};
   std::atomic<uint64_t> bytes_ingested_{0};
   std::set<std::string> applied_import_ids_;  // guarded by state_mu_
+  std::mutex shard_map_mu_;
+  ShardMap shard_map_;  // guarded by shard_map_mu_
   // nonfinite_values is read from a backend snapshot, cached until the next
   // applied chunk or merge.
   std::mutex info_mu_;

@@ -90,6 +90,17 @@ absl::Status SessionPersister::SaveLocked(
   return absl::OkStatus();
 }
 
+absl::Status SessionPersister::Save(const std::shared_ptr<Session>& session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::Status status = SaveLocked(session);
+  if (!status.ok()) {
+    KVCAL_LOG(ERROR) << "cannot persist session '" << session->id()
+                     << "': " << status.message();
+    metrics_->RecordPersistFailure(std::string(status.message()));
+  }
+  return status;
+}
+
 absl::Status SessionPersister::SaveAll() {
   std::lock_guard<std::mutex> lock(mu_);
   absl::Status first;

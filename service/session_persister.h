@@ -35,6 +35,9 @@ class SessionPersister {
   void Start();
   // Writes every changed session now; the first error, if any.
   absl::Status SaveAll();
+  // Writes one session now when it changed (CreateSession: a session and its
+  // shard map survive a crash right after they were acknowledged).
+  absl::Status Save(const std::shared_ptr<Session>& session);
   // Deletes a session from the registry and its file, atomically with
   // respect to the periodic writer.
   absl::Status Delete(absl::string_view tenant, absl::string_view session_id);

@@ -87,14 +87,19 @@ void SessionRegistry::Add(const std::shared_ptr<Session>& session) {
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
-    absl::string_view tenant, absl::string_view id, const Geometry& geometry) {
+    absl::string_view tenant, absl::string_view id, const Geometry& geometry,
+    const ShardMap& shard_map) {
   KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/true));
   KVCAL_RETURN_IF_ERROR(geometry.Validate());
+  KVCAL_RETURN_IF_ERROR(ValidateShardMap(shard_map, geometry.num_layers));
   std::lock_guard<std::mutex> lock(mu_);
   if (!id.empty()) {
     auto it = sessions_.find(Key(tenant, id));
     if (it != sessions_.end()) {
-      if (it->second->geometry() == geometry) return it->second;
+      if (it->second->geometry() == geometry) {
+        KVCAL_RETURN_IF_ERROR(it->second->AdoptShardMap(shard_map));
+        return it->second;
+      }
       return absl::AlreadyExistsError(
           absl::StrCat("session '", id, "' exists with different parameters {",
                        it->second->geometry().DebugString(), "}; requested {",
@@ -106,6 +111,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                          Session::Create(std::move(new_id), std::string(tenant),
                                          geometry, options_.session));
+  KVCAL_RETURN_IF_ERROR(session->AdoptShardMap(shard_map));
   Add(session);
   return session;
 }

@@ -47,9 +47,11 @@ class SessionRegistry {
 
   // Idempotent: an existing id with an identical geometry returns the
   // session; a different one is AlreadyExists.
-  absl::StatusOr<std::shared_ptr<Session>> Create(absl::string_view tenant,
-                                                  absl::string_view id,
-                                                  const Geometry& geometry);
+  // `shard_map` (may be empty) is validated here and recorded
+  // (Session::AdoptShardMap; a different existing map is FailedPrecondition).
+  absl::StatusOr<std::shared_ptr<Session>> Create(
+      absl::string_view tenant, absl::string_view id, const Geometry& geometry,
+      const ShardMap& shard_map = {});
   absl::StatusOr<std::shared_ptr<Session>> Get(absl::string_view tenant,
                                                absl::string_view id);
   // The tenant's sessions, ordered by id.

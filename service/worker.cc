@@ -4,6 +4,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <sstream>
@@ -13,6 +14,7 @@
 #include "kernels/device_health.h"
 #include "kernels/status_macros.h"
 #include "service/log.h"
+#include "service/shard_map.h"
 
 namespace kvcal::service {
 namespace {
@@ -92,6 +94,23 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   worker->backend_name_ = choice.kind == BackendKind::kCuda ? "cuda" : "cpu";
   KVCAL_LOG(INFO) << "backend: " << choice.description;
 
+  worker->worker_id_ = options.worker_id;
+  if (worker->worker_id_.empty()) {
+    char host[256] = {};
+    if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') {
+      return absl::FailedPreconditionError(
+          "cannot read the host name for the worker id; pass --worker-id");
+    }
+    worker->worker_id_ = host;
+  }
+  if (absl::Status s = ValidateWorkerId(worker->worker_id_); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--worker-id: ", s.message(),
+        options.worker_id.empty() ? " (it defaults to the host name)" : ""));
+  }
+  KVCAL_LOG(INFO) << "worker id: " << worker->worker_id_;
+  service_options.worker_id = worker->worker_id_;
+  service_options.backend_name = worker->backend_name_;
   worker->service_ = std::make_unique<CalibrationService>(service_options);
   if (!options.state_dir.empty()) {
     worker->persister_ = std::make_unique<SessionPersister>(

@@ -28,6 +28,8 @@ namespace kvcal::service {
 
 struct WorkerOptions {
   std::string listen = "127.0.0.1:50051";
+  // Stable identity that clients shard by; empty = the host name.
+  std::string worker_id;
   BackendKind backend = BackendKind::kAuto;
   int device = 0;
   // CPU backend: threads one chunk's statistics may use (0 = every core).
@@ -63,6 +65,7 @@ class Worker {
   int metrics_port() const { return metrics_http_ ? metrics_http_->port() : 0; }
   // "cpu" or "cuda": what BackendKind::kAuto resolved to.
   const std::string& backend_name() const { return backend_name_; }
+  const std::string& worker_id() const { return worker_id_; }
   CalibrationService& service() { return *service_; }
 
   // Health is SERVING once started, NOT_SERVING from Shutdown on, and
@@ -82,6 +85,7 @@ class Worker {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::string backend_name_;
+  std::string worker_id_;
   int port_ = 0;
   bool shut_down_ = false;
   std::thread health_thread_;

@@ -48,6 +48,10 @@ int main(int argc, char** argv) {
   app.add_option("--listen", options.listen,
                  "host:port to serve on (port 0 picks one)")
       ->capture_default_str();
+  app.add_option("--worker-id", options.worker_id,
+                 "stable identity clients shard layers by (default: the host "
+                 "name, which is the pod name in a StatefulSet); "
+                 "[A-Za-z0-9._-]{1,128}");
   app.add_option("--backend", backend, "statistics backend: auto, cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();

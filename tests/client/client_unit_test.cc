@@ -1,13 +1,19 @@
 // Client pieces that need no worker: chunk splitting, the sharding hash,
 // the progress line, CLI name parsing.
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
 #include <set>
 
 #include "client/calibration_client.h"
 #include "client/calibration_job.h"
 #include "client/progress.h"
+#include "client/sharding.h"
 #include "client/uploader.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 
 namespace kvcal {
 namespace {
@@ -103,24 +109,102 @@ TEST(SplitChunkTest, HeadsTokensDimSplitsBatchThenHeadsThenSequence) {
   ExpectExactCover(c, parts, 3 * 8 * 4);
 }
 
-TEST(ShardingTest, WorkerForIsStableAndSpreadsLayers) {
-  // Fixed values: other clients must compute the same assignment.
-  EXPECT_EQ(CalibrationClient::WorkerFor("s", 0, 1), 0u);
-  std::set<size_t> used;
-  for (uint32_t layer = 0; layer < 32; ++layer) {
-    const size_t w = CalibrationClient::WorkerFor("session-a", layer, 3);
-    EXPECT_LT(w, 3u);
-    EXPECT_EQ(w, CalibrationClient::WorkerFor("session-a", layer, 3));
-    used.insert(w);
+// tests/data/shard_vectors.json (written by make_shard_vectors.py, which
+// checks itself against the published FNV-1a and SplitMix64 vectors); the
+// Python client's test reads the same file.
+nlohmann::json ShardVectors() {
+  std::ifstream in(KVCAL_SHARD_VECTORS);
+  EXPECT_TRUE(in) << "cannot read " << KVCAL_SHARD_VECTORS;
+  return nlohmann::json::parse(in);
+}
+
+uint64_t Hex(const nlohmann::json& value) {
+  return std::stoull(value.get<std::string>(), nullptr, 16);
+}
+
+TEST(ShardingTest, Fnv1a64MatchesPublishedVectors) {
+  const nlohmann::json vectors = ShardVectors();
+  ASSERT_EQ(vectors["fnv1a64_published"].size(), 3u);
+  for (const auto& [text, want] : vectors["fnv1a64_published"].items()) {
+    EXPECT_EQ(Fnv1a64(text), Hex(want)) << "'" << text << "'";
   }
-  EXPECT_EQ(used.size(), 3u);
-  // FNV-1a 64 of "ab" then layer 1 as 4 little-endian bytes.
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char b : {'a', 'b', '\1', '\0', '\0', '\0'}) {
-    h ^= b;
-    h *= 0x100000001b3ull;
+}
+
+TEST(ShardingTest, SplitMix64MatchesPublishedSequence) {
+  const nlohmann::json v = ShardVectors()["splitmix64_published"];
+  uint64_t state = v["seed"].get<uint64_t>();
+  ASSERT_EQ(v["outputs"].size(), 5u);
+  for (const nlohmann::json& want : v["outputs"]) {
+    // The generator's k-th output is the finalizer of seed + k * gamma.
+    EXPECT_EQ(SplitMix64(state), Hex(want));
+    state += Hex(v["gamma"]);
   }
-  EXPECT_EQ(CalibrationClient::WorkerFor("ab", 1, 7), h % 7);
+}
+
+TEST(ShardingTest, EveryLayerGoesWhereTheSharedVectorsSay) {
+  const nlohmann::json vectors = ShardVectors();
+  ASSERT_GE(vectors["cases"].size(), 10u);
+  for (const nlohmann::json& c : vectors["cases"]) {
+    const std::string session = c["session"];
+    const auto ids = c["worker_ids"].get<std::vector<std::string>>();
+    const auto want = c["owners"].get<std::vector<uint32_t>>();
+    EXPECT_EQ(LayerOwners(session, c["num_layers"].get<uint32_t>(), ids), want)
+        << session << " over " << ids.size() << " workers";
+    for (uint32_t layer = 0; layer < 2; ++layer) {
+      for (size_t w = 0; w < ids.size(); ++w) {
+        EXPECT_EQ(RendezvousScore(session, layer, ids[w]),
+                  Hex(c["scores_layers_0_1"][layer][w]));
+      }
+    }
+  }
+}
+
+TEST(ShardingTest, AddingAWorkerMovesOnlyTheLayersItWins) {
+  std::vector<std::string> ids = {"kvcal-worker-0", "kvcal-worker-1",
+                                  "kvcal-worker-2", "kvcal-worker-3"};
+  constexpr uint32_t kLayers = 4096;
+  const std::vector<uint32_t> before = LayerOwners("run7", kLayers, ids);
+  ids.push_back("kvcal-worker-4");
+  const std::vector<uint32_t> after = LayerOwners("run7", kLayers, ids);
+  uint32_t moved = 0;
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    if (after[l] == before[l]) continue;
+    ++moved;
+    EXPECT_EQ(after[l], 4u) << "layer " << l << " moved between old workers";
+  }
+  // Expected kLayers / 5; a wide band, so the test pins the property, not
+  // the value.
+  EXPECT_GT(moved, kLayers / 5 - kLayers / 20);
+  EXPECT_LT(moved, kLayers / 5 + kLayers / 20);
+  std::vector<uint32_t> per_worker(5, 0);
+  for (uint32_t owner : after) ++per_worker[owner];
+  for (uint32_t n : per_worker) EXPECT_GT(n, kLayers / 5 - kLayers / 20);
+}
+
+TEST(ShardingTest, OrderOfIdsDoesNotMatterOnlyTheirNames) {
+  const std::vector<std::string> a = {"x", "y", "z"};
+  const std::vector<std::string> b = {"z", "x", "y"};
+  for (uint32_t l = 0; l < 64; ++l) {
+    EXPECT_EQ(a[LayerOwner("s", l, a)], b[LayerOwner("s", l, b)]);
+  }
+}
+
+TEST(EndpointTest, FileListsEndpointsAndIsReadAgain) {
+  const std::string path =
+      ::testing::TempDir() + "/kvcal-endpoints-" + std::to_string(getpid());
+  std::ofstream(path) << "# workers\n127.0.0.1:1, 127.0.0.1:2\n\n127.0.0.1:3\n";
+  auto endpoints = ExpandEndpoint("file:" + path);
+  ASSERT_TRUE(endpoints.ok()) << endpoints.status();
+  EXPECT_EQ(*endpoints, (std::vector<std::string>{"127.0.0.1:1", "127.0.0.1:2",
+                                                  "127.0.0.1:3"}));
+  std::ofstream(path) << "127.0.0.1:4\n";
+  endpoints = ExpandEndpoint("file:" + path);
+  ASSERT_TRUE(endpoints.ok());
+  EXPECT_EQ(*endpoints, (std::vector<std::string>{"127.0.0.1:4"}));
+  std::ofstream(path) << "# nothing\n";
+  EXPECT_THAT(ExpandEndpoint("file:" + path).status().message(),
+              HasSubstr("lists no endpoint"));
+  std::remove(path.c_str());
 }
 
 TEST(ProgressTest, LineShowsBytesChunksRateAndEta) {

@@ -5,6 +5,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -15,6 +17,7 @@
 #include "client/calibration_job.h"
 #include "client/demo_model.h"
 #include "client/local_worker.h"
+#include "client/sharding.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/test_util.h"
@@ -37,6 +40,12 @@ std::unique_ptr<LocalWorker> StartWorker(std::vector<std::string> extra = {},
   LocalWorker::Options options;
   options.binary = WorkerPath();
   options.listen = std::move(listen);
+  // Workers on one host share its name, the default id: give each its own.
+  static int started = 0;
+  if (std::find(extra.begin(), extra.end(), "--worker-id") == extra.end()) {
+    extra.push_back("--worker-id");
+    extra.push_back("test-w" + std::to_string(started++));
+  }
   options.extra_args = std::move(extra);
   auto worker = LocalWorker::Start(options);
   EXPECT_TRUE(worker.ok()) << worker.status();
@@ -277,10 +286,13 @@ TEST_F(UploaderTest, ShardingOverOneTwoThreeWorkersGivesIdenticalScales) {
       // Each worker holds only its own layers.
       size_t holding = 0;
       for (size_t i = 0; i < n; ++i) {
-        auto single = CalibrationClient::Connect({endpoints[i]}, {});
-        auto s = single->GetSession(id);
-        ASSERT_TRUE(s.ok());
-        holding += s->values_ingested() > 0;
+        grpc::ClientContext context;
+        v1::GetSessionRequest request;
+        request.set_session_id(id);
+        v1::Session s;
+        ASSERT_TRUE(client.stub(i).GetSession(&context, request, &s).ok());
+        EXPECT_EQ(s.shard_map().worker_ids_size(), static_cast<int>(n));
+        holding += s.values_ingested() > 0;
       }
       EXPECT_GE(holding, 2u);
     }
@@ -464,6 +476,138 @@ TEST_F(UploaderTest, UploadWaitsUntilTheChunksAreDurable) {
     EXPECT_EQ(uploaded->chunks_applied, uploaded->chunks);
     EXPECT_GT(uploaded->chunks, 0u);
   }
+}
+
+// Two workers that report the same id cannot shard: refused when the client
+// connects, naming both addresses.
+TEST_F(UploaderTest, TwoWorkersWithTheSameIdAreRefused) {
+  auto a = StartWorker({"--worker-id", "same"});
+  auto b = StartWorker({"--worker-id", "same"});
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  auto client = CalibrationClient::Connect({a->address(), b->address()}, {});
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(client.status().message(),
+              HasSubstr("both report worker id 'same'"));
+  // The same worker listed twice is the same mistake.
+  client = CalibrationClient::Connect({a->address(), a->address()}, {});
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Every worker records the session's shard map; a client with another worker
+// set is refused before anything is sent, naming what changed, and so is a
+// chunk or Finalize that reaches a worker not owning its layer.
+TEST_F(UploaderTest, ADifferentWorkerSetOrTheWrongWorkerIsRefused) {
+  auto a = StartWorker({"--worker-id", "a"});
+  auto b = StartWorker({"--worker-id", "b"});
+  auto c = StartWorker({"--worker-id", "c"});
+  ASSERT_TRUE(a && b && c);
+  // Given in another order: ids, not positions, decide.
+  CalibrationClient two = Connect({b->address() + "," + a->address()});
+  EXPECT_EQ(two.worker_ids(), (std::vector<std::string>{"a", "b"}));
+  const v1::Session created = Create(two, "set");
+  EXPECT_EQ(created.shard_map().worker_ids_size(), 2);
+  EXPECT_EQ(created.shard_map().layer_owners_size(),
+            static_cast<int>(model_.num_layers));
+
+  CalibrationClient three = Connect({a->address(), b->address(), c->address()});
+  auto upload = three.Upload("set", chunks_, {});
+  EXPECT_EQ(upload.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(upload.status().message(), HasSubstr("added [c]"));
+  v1::FinalizeRequest finalize;
+  finalize.set_session_id("set");
+  EXPECT_THAT(three.Finalize(finalize).status().message(),
+              HasSubstr("added [c]"));
+  auto recreate = three.CreateSession(Request("set", model_.head_dim));
+  EXPECT_EQ(recreate.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(recreate.status().message(), HasSubstr("added [c]"));
+  CalibrationClient one = Connect({a->address()});
+  EXPECT_THAT(one.GetSession("set").status().message(),
+              HasSubstr("sharded over workers [a, b]"));
+
+  // A layer of worker b pushed straight to worker a.
+  uint32_t b_layer = 0;
+  while (LayerOwner("set", b_layer, two.worker_ids()) != 1) ++b_layer;
+  std::vector<ChunkView> b_chunks;
+  for (const ChunkView& chunk : chunks_) {
+    if (chunk.layer == b_layer) b_chunks.push_back(chunk);
+  }
+  UploaderOptions options;
+  options.session_id = "set";
+  Uploader wrong(one.channel(0), {}, options);
+  auto result = wrong.Upload(b_chunks);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(
+      result.status().message(),
+      HasSubstr(absl::StrCat("layer ", b_layer,
+                             " of session 'set' belongs to worker 'b'")));
+  options.shard_worker_ids = {"a", "b", "c"};
+  Uploader stale(one.channel(0), {}, options);
+  EXPECT_THAT(stale.Upload(b_chunks).status().message(),
+              HasSubstr("added [c]"));
+  grpc::ClientContext context;
+  finalize.add_layers(b_layer);
+  v1::FinalizeResponse response;
+  const grpc::Status status =
+      one.stub(0).Finalize(&context, finalize, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("belongs to worker 'b'"));
+  // Nothing of it was applied.
+  auto session = two.GetSession("set");
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ(session->values_ingested(), 0u);
+}
+
+// A worker that restarts under a new address (a rescheduled pod) with its
+// state dir is found again by its id while the upload reconnects: no user
+// action, and the scales are those of an uninterrupted run.
+TEST_F(UploaderTest, WorkerRestartedUnderANewAddressIsFollowedByItsId) {
+  auto reference_worker = StartWorker();
+  ASSERT_NE(reference_worker, nullptr);
+  CalibrationClient reference_client = Connect({reference_worker->address()});
+  const AllScales reference = Reference(reference_client, "moved");
+
+  auto a = StartWorker({"--worker-id", "a", "--state-dir", dir_ / "a",
+                        "--snapshot-interval-ms", "100"});
+  auto b = StartWorker({"--worker-id", "b", "--state-dir", dir_ / "b",
+                        "--snapshot-interval-ms", "100"});
+  ASSERT_TRUE(a && b);
+  const std::string list = dir_ / "workers.txt";
+  std::ofstream(list) << a->address() << "\n" << b->address() << "\n";
+  CalibrationClient client = Connect({"file:" + list});
+  Create(client, "moved");
+  const std::string old_b = b->address();
+  std::atomic<bool> restarted{false};
+  UploaderOptions options;
+  options.max_chunk_bytes = 4096;
+  options.window = 2;
+  options.initial_backoff = absl::Milliseconds(20);
+  options.on_ack = [&](uint64_t sequence) {
+    if (sequence < 5 || restarted.exchange(true)) return true;
+    b->Kill();  // SIGKILL: what was not yet snapshotted is lost
+    b = StartWorker({"--worker-id", "b", "--state-dir", dir_ / "b",
+                     "--snapshot-interval-ms", "100"});
+    EXPECT_NE(b, nullptr);
+    std::ofstream(list) << a->address() << "\n" << b->address() << "\n";
+    return true;
+  };
+  auto result = client.Upload("moved", chunks_, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(restarted);
+  ASSERT_NE(b, nullptr);
+  EXPECT_NE(b->address(), old_b);
+  EXPECT_EQ(client.endpoint(1), b->address());
+  EXPECT_EQ(Scales(client, "moved"), reference);
+  // The restarted worker restored the session's shard map from its state
+  // dir along with the statistics.
+  grpc::ClientContext context;
+  v1::GetSessionRequest request;
+  request.set_session_id("moved");
+  v1::Session restored;
+  ASSERT_TRUE(client.stub(1).GetSession(&context, request, &restored).ok());
+  EXPECT_EQ(restored.worker_id(), "b");
+  EXPECT_EQ(restored.shard_map().worker_ids_size(), 2);
 }
 
 }  // namespace

@@ -264,5 +264,59 @@ TEST(WorkerHealthTest, DeviceLossMakesTheWorkerNotServing) {
   ResetDeviceHealthForTesting();
 }
 
+TEST(ShardMapTest, ValidatesIdsOrderAndOwners) {
+  EXPECT_TRUE(ValidateShardMap({{"a", "b"}, {0, 1, 1}}, 3).ok());
+  EXPECT_TRUE(ValidateShardMap({}, 3).ok());  // no map: one worker
+  EXPECT_THAT(ValidateShardMap({{"b", "a"}, {0, 1, 1}}, 3).message(),
+              HasSubstr("sorted and unique"));
+  EXPECT_THAT(ValidateShardMap({{"a", "a"}, {0, 1, 1}}, 3).message(),
+              HasSubstr("sorted and unique"));
+  EXPECT_THAT(ValidateShardMap({{"a", "b"}, {0, 1}}, 3).message(),
+              HasSubstr("2 layer owners; the session has 3 layers"));
+  EXPECT_THAT(ValidateShardMap({{"a", "b"}, {0, 2, 1}}, 3).message(),
+              HasSubstr("layer 1 owner index 2"));
+  EXPECT_THAT(ValidateShardMap({{"a b"}, {0}}, 1).message(),
+              HasSubstr("[A-Za-z0-9._-]{1,128}"));
+  EXPECT_FALSE(ValidateWorkerId("").ok());
+  EXPECT_TRUE(ValidateWorkerId("kvcal-worker-12.kvcal").ok());
+}
+
+TEST(ShardMapTest, SessionAdoptsOneMapAndChecksChunksAgainstIt) {
+  Geometry g{3, 4, 2, 8, 0, 0b111};
+  SessionRegistry registry({});
+  const ShardMap map{{"a", "b"}, {0, 1, 1}};
+  auto session = registry.Create("t", "s", g, map);
+  ASSERT_TRUE(session.ok()) << session.status();
+  // Creating it again: the same map is fine, another set is refused.
+  EXPECT_TRUE(registry.Create("t", "s", g, map).ok());
+  EXPECT_TRUE(registry.Create("t", "s", g, {}).ok());
+  absl::Status other =
+      registry.Create("t", "s", g, {{"a", "b", "c"}, {0, 1, 2}}).status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(other.message(), HasSubstr("added [c]"));
+
+  const std::vector<uint32_t> layer1 = {1};
+  EXPECT_TRUE((*session)->CheckShard({"a", "b"}, layer1, "b").ok());
+  EXPECT_TRUE((*session)->CheckShard({}, layer1, "b").ok());
+  absl::Status wrong = (*session)->CheckShard({}, layer1, "a");
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(wrong.message(), HasSubstr("layer 1 of session 's' belongs to "
+                                         "worker 'b', not to this worker 'a'"));
+  EXPECT_THAT((*session)->CheckShard({"a"}, layer1, "b").message(),
+              HasSubstr("missing [b]"));
+  // Finalize of every layer on one worker of two.
+  EXPECT_THAT((*session)->CheckShard({}, {}, "a").message(),
+              HasSubstr("layer 1"));
+  // The map travels with the session's state.
+  auto snapshot = (*session)->Export();
+  ASSERT_TRUE(snapshot.ok());
+  EXPECT_EQ(snapshot->shard_map, map);
+  kvcal::v1::SessionState state;
+  SnapshotToProto("s", *snapshot, &state);
+  auto parsed = SnapshotFromProto(state);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->shard_map, map);
+}
+
 }  // namespace
 }  // namespace kvcal::service

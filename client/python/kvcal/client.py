@@ -1,6 +1,8 @@
-"""kvcal.Client: sessions and scales on a kvcal worker.
+"""kvcal.Client: sessions and scales on one kvcal worker or several.
 
-    client = kvcal.Client("127.0.0.1:50051")
+    client = kvcal.Client("127.0.0.1:50051")     # or "w0:50051,w1:50051",
+                                                 # ["w0:50051", "w1:50051"],
+                                                 # "dns:///kvcal-worker.kvcal.svc:50051"
     client.create_session(model.config)          # geometry from the config
     ...                                          # stream with kvcal.Producer
     scales = client.finalize(observer="mse", granularity="head")
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
@@ -18,6 +21,7 @@ import grpc
 import numpy as np
 
 from kvcal.scales import Scales
+from kvcal.sharding import expand_endpoints, layer_owner, layer_owners
 from kvcal.v1 import pb, pb_grpc
 
 # llm-compressor's observer names (what the scales file and config.json
@@ -109,23 +113,50 @@ def _role_name(role: int) -> str:
 
 
 class Client:
-    """A connection to one kvcal worker and (optionally) one session on it.
+    """A connection to kvcal workers and (optionally) one session on them.
 
-    target: "host:port". token: sent as `authorization: Bearer <token>`.
-    tls: False/None (plaintext), True (system roots), a path to a PEM CA
-    bundle, or grpc.ChannelCredentials.
+    target: "host:port", several ("a:1,b:2" or a list), "dns:///host:port"
+    (every address the name resolves to: a Kubernetes headless Service) or
+    "file:PATH" (a list of endpoints, read again when a worker moved): the
+    same forms as the CLI's --server. With several workers, layers are
+    sharded by worker id exactly as the C++ client does (kvcal.sharding);
+    `workers` holds one single-worker Client per worker, in id order.
+    token: sent as `authorization: Bearer <token>`. tls: False/None
+    (plaintext), True (system roots), a path to a PEM CA bundle, or
+    grpc.ChannelCredentials.
     """
 
-    def __init__(self, target: str, token: Optional[str] = None,
+    def __init__(self, target: Union[str, Sequence[str]], token: Optional[str] = None,
                  tls: Union[bool, str, None, grpc.ChannelCredentials] = None,
                  session_id: Optional[str] = None,
                  max_message_bytes: int = 64 << 20,
                  timeout: Optional[float] = 60.0):
-        self.target = target
         self.token = token
         self.timeout = timeout
         self.session_id = session_id
         self.geometry: Optional[Geometry] = None
+        self.workers: Optional[list] = None  # several workers: one Client each, by id
+        self.worker_ids: Sequence[str] = ()
+        self.worker_id: Optional[str] = None  # this single worker's id, when known
+        self.shard_worker_ids: Sequence[str] = ()  # sent with chunks (set by a sharding parent)
+        self.relocate = None  # set by a sharding parent: finds this worker under a new address
+        self._spec = target
+        self._tls = tls
+        self._max_message_bytes = max_message_bytes
+        endpoints = expand_endpoints(target)
+        if not endpoints:
+            raise ValueError("kvcal: no worker address given")
+        if len(endpoints) > 1:
+            self.target = ",".join(endpoints)
+            self._channel = None
+            self._stub = None
+            self._connect_workers(endpoints)
+            return
+        self._open(endpoints[0])
+
+    def _open(self, target: str) -> None:
+        self.target = target
+        tls, max_message_bytes = self._tls, self._max_message_bytes
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes),
                    # While a call is open: ping every 30 s, drop the connection
@@ -148,6 +179,120 @@ class Client:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.CalibrationStub(self._channel)
 
+    # -- several workers -------------------------------------------------------
+    def _single(self, endpoint: str) -> "Client":
+        return Client(endpoint, token=self.token, tls=self._tls,
+                      max_message_bytes=self._max_message_bytes, timeout=self.timeout)
+
+    def _ask_id(self, timeout: Optional[float] = None, wait_for_ready: bool = True) -> str:
+        try:
+            info = self._stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), metadata=self.metadata,
+                                            timeout=timeout or self.timeout,
+                                            wait_for_ready=wait_for_ready)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker older than GetWorkerInfo
+                return self.target
+            raise KvcalError(f"GetWorkerInfo on {self.target}", e) from None
+        return info.worker_id or self.target
+
+    def _connect_workers(self, endpoints: Sequence[str]) -> None:
+        workers = [self._single(e) for e in endpoints]
+        for w in workers:
+            w.worker_id = w._ask_id()
+        workers.sort(key=lambda w: w.worker_id.encode())
+        for a, b in zip(workers, workers[1:]):
+            if a.worker_id == b.worker_id:
+                for w in workers:
+                    w.close()
+                raise ValueError(
+                    f"kvcal: workers {a.target} and {b.target} both report worker id "
+                    f"'{a.worker_id}' (the same worker listed twice, or two workers without their "
+                    f"own --worker-id); layers are assigned by id, so each worker needs its own")
+        self.workers = workers
+        self.worker_ids = [w.worker_id for w in workers]
+        for w in workers:
+            w.shard_worker_ids = list(self.worker_ids)
+            w.relocate = (lambda w=w: self._relocate(w))
+
+    def _relocate(self, worker: "Client") -> bool:
+        """Looks for `worker`'s id under another address (a worker restarted
+        elsewhere, say a rescheduled pod); True when it moved there."""
+        try:
+            endpoints = expand_endpoints(self._spec)
+        except (OSError, ValueError):
+            return False
+        for endpoint in endpoints:
+            if endpoint == worker.target:
+                continue
+            probe = self._single(endpoint)
+            try:
+                found = probe._ask_id(timeout=1.0, wait_for_ready=False)
+            except KvcalError:
+                found = None
+            finally:
+                probe.close()
+            if found == worker.worker_id:
+                # The old channel is left to the garbage collector: another
+                # thread may be in a call on it right now.
+                worker._open(endpoint)
+                logging.getLogger("kvcal").info("kvcal: worker %s moved to %s",
+                                                worker.worker_id, endpoint)
+                return True
+        return False
+
+    def _describe_change(self, session_ids: Sequence[str]) -> str:
+        added = sorted(set(self.worker_ids) - set(session_ids))
+        missing = sorted(set(session_ids) - set(self.worker_ids))
+        parts = []
+        if added:
+            parts.append("added [" + ", ".join(added) + "]")
+        if missing:
+            parts.append("missing [" + ", ".join(missing) + "]")
+        return ", ".join(parts) or "same ids, different layer owners"
+
+    def check_session_workers(self, session_id: Optional[str] = None) -> pb.Session:
+        """With several workers: every worker holds the session with this
+        client's worker set, else ValueError naming what changed (as the C++
+        client's CheckSessionWorkers). Returns the first worker's Session."""
+        sid = self._session(session_id)
+        if self.workers is None:
+            return self.status(sid)
+        have, lack, first = [], [], None
+        for w in self.workers:
+            try:
+                session = w.status(sid)
+            except KvcalError as e:
+                if e.code == grpc.StatusCode.NOT_FOUND:
+                    lack.append(w.worker_id)
+                    continue
+                raise
+            have.append(w.worker_id)
+            first = first or session
+        if first is None:
+            return self.workers[0].status(sid)  # raises NOT_FOUND
+        session_ids = list(first.shard_map.worker_ids)
+        if session_ids and session_ids != list(self.worker_ids):
+            raise ValueError(
+                f"kvcal: session '{sid}' is sharded over workers [{', '.join(session_ids)}]; this "
+                f"client has [{', '.join(self.worker_ids)}] ({self._describe_change(session_ids)}); "
+                f"give the session's workers, or create a new session for this set")
+        if lack:
+            raise ValueError(f"kvcal: session '{sid}' exists on workers [{', '.join(have)}] but not "
+                             f"on [{', '.join(lack)}]")
+        if not session_ids:
+            raise ValueError(f"kvcal: session '{sid}' has no shard map (created by a single-worker "
+                             f"or an older client); use it with the worker that created it")
+        if list(first.shard_map.layer_owners) != layer_owners(sid, first.num_layers, self.worker_ids):
+            raise ValueError(f"kvcal: session '{sid}' assigns layers differently from this "
+                             f"client's rendezvous hashing")
+        return first
+
+    def worker_for(self, layer: int, session_id: Optional[str] = None) -> "Client":
+        """The (single-worker) Client that holds `layer` of the session."""
+        if self.workers is None:
+            return self
+        return self.workers[layer_owner(self._session(session_id), layer, self.worker_ids)]
+
     # -- plumbing ------------------------------------------------------------
     @property
     def metadata(self) -> Sequence[tuple]:
@@ -155,6 +300,9 @@ class Client:
 
     @property
     def stub(self) -> pb_grpc.CalibrationStub:
+        if self._stub is None:
+            raise ValueError("kvcal: a client of several workers has no single stub; "
+                             "use client.workers[i].stub or client.worker_for(layer)")
         return self._stub
 
     def _call(self, what: str, method, request, timeout: Optional[float] = None):
@@ -171,7 +319,11 @@ class Client:
         return sid
 
     def close(self) -> None:
-        self._channel.close()
+        if self.workers is not None:
+            for w in self.workers:
+                w.close()
+        else:
+            self._channel.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -199,7 +351,22 @@ class Client:
             num_attention_heads=geometry.num_attention_heads,
             num_key_value_heads=geometry.num_key_value_heads, head_dim=geometry.head_dim,
             histogram_bins_per_octave=histograms, roles=role_values)
-        session = self._call("CreateSession", self._stub.CreateSession, request)
+        if self.workers is not None:
+            if not request.session_id:  # the map depends on the id: the first worker picks it
+                request.session_id = self.workers[0]._call(
+                    "CreateSession", self.workers[0]._stub.CreateSession, request).session_id
+            request.shard_map.worker_ids.extend(self.worker_ids)
+            request.shard_map.layer_owners.extend(
+                layer_owners(request.session_id, geometry.num_layers, self.worker_ids))
+            session = None
+            for w in self.workers:
+                created = w._call(f"CreateSession on {w.worker_id} ({w.target})",
+                                  w._stub.CreateSession, request)
+                session = session or created
+            for w in self.workers:
+                w.session_id, w.geometry = session.session_id, geometry
+        else:
+            session = self._call("CreateSession", self._stub.CreateSession, request)
         self.session_id = session.session_id
         self.geometry = geometry
         return session
@@ -210,24 +377,57 @@ class Client:
         self.session_id = session.session_id
         self.geometry = Geometry(session.num_layers, session.num_attention_heads,
                                  session.num_key_value_heads, session.head_dim)
+        for w in self.workers or ():
+            w.session_id, w.geometry = self.session_id, self.geometry
         return session
 
     def status(self, session_id: Optional[str] = None) -> pb.Session:
-        """The session's counters and producer watermarks (GetSession)."""
-        return self._call("GetSession", self._stub.GetSession,
-                          pb.GetSessionRequest(session_id=self._session(session_id)))
+        """The session's counters and producer watermarks (GetSession). With
+        several workers: counters summed, producers prefixed "<worker id>/"."""
+        sid = self._session(session_id)
+        if self.workers is None:
+            return self._call("GetSession", self._stub.GetSession, pb.GetSessionRequest(session_id=sid))
+        total = pb.Session()
+        total.CopyFrom(self.check_session_workers(sid))
+        del total.producers[:]
+        for field in ("chunks_applied", "values_ingested", "bytes_ingested", "nonfinite_values",
+                      "state_bytes"):
+            setattr(total, field, 0)
+        for w in self.workers:
+            part = w.status(sid)
+            for field in ("chunks_applied", "values_ingested", "bytes_ingested",
+                          "nonfinite_values", "state_bytes"):
+                setattr(total, field, getattr(total, field) + getattr(part, field))
+            for p in part.producers:
+                total.producers.add(producer_id=f"{w.worker_id}/{p.producer_id}", sequence=p.sequence,
+                                    durable_sequence=p.durable_sequence)
+        total.worker_id = ""
+        return total
 
     def list_sessions(self) -> Sequence[pb.Session]:
+        if self.workers is not None:
+            by_id: Dict[str, pb.Session] = {}
+            for w in self.workers:
+                for s in w.list_sessions():
+                    by_id.setdefault(s.session_id, s)
+            return [by_id[k] for k in sorted(by_id)]
         return list(self._call("ListSessions", self._stub.ListSessions,
                                pb.ListSessionsRequest()).sessions)
 
     def delete(self, session_id: Optional[str] = None) -> None:
         sid = self._session(session_id)
-        self._call("DeleteSession", self._stub.DeleteSession, pb.DeleteSessionRequest(session_id=sid))
+        if self.workers is not None:
+            for w in self.workers:
+                w.delete(sid)
+        else:
+            self._call("DeleteSession", self._stub.DeleteSession,
+                       pb.DeleteSessionRequest(session_id=sid))
         if sid == self.session_id:
             self.session_id = None
 
     def export_state(self, session_id: Optional[str] = None) -> pb.SessionState:
+        if self.workers is not None:
+            raise ValueError("kvcal: export from each worker: client.workers[i].export_state()")
         return self._call("ExportState", self._stub.ExportState,
                           pb.ExportStateRequest(session_id=self._session(session_id)))
 
@@ -235,7 +435,27 @@ class Client:
     def finalize_response(self, session_id: Optional[str] = None, **kwargs) -> pb.FinalizeResponse:
         """The raw FinalizeResponse (scales, absmax, counts); see finalize()."""
         request, _, _, _ = self._finalize_request(self._session(session_id), **kwargs)
-        return self._call("Finalize", self._stub.Finalize, request)
+        return self._finalize_call(request)
+
+    def _finalize_call(self, request: pb.FinalizeRequest) -> pb.FinalizeResponse:
+        if self.workers is None:
+            return self._call("Finalize", self._stub.Finalize, request)
+        session = self.check_session_workers(request.session_id)
+        layers = list(request.layers) or list(range(session.num_layers))
+        total = pb.FinalizeResponse()
+        for i, w in enumerate(self.workers):
+            mine = [l for l in layers if layer_owner(request.session_id, l, self.worker_ids) == i]
+            if not mine:
+                continue  # empty would mean "every layer"
+            part = pb.FinalizeRequest()
+            part.CopyFrom(request)
+            del part.layers[:]
+            part.layers.extend(mine)
+            part.shard_worker_ids.extend(self.worker_ids)
+            total.layers.extend(w._call(f"Finalize on {w.worker_id} ({w.target})",
+                                        w._stub.Finalize, part).layers)
+        total.layers.sort(key=lambda l: l.layer)
+        return total
 
     def finalize(self, observer: str = "static_minmax", granularity: str = "tensor",
                  fmt: str = "float8_e4m3fn", *, session_id: Optional[str] = None,
@@ -253,7 +473,7 @@ class Client:
         sid = self._session(session_id)
         request, observer, granularity, fmt = self._finalize_request(
             sid, observer=observer, granularity=granularity, fmt=fmt, **params)
-        response = self._call("Finalize", self._stub.Finalize, request)
+        response = self._finalize_call(request)
         tensors: Dict[str, np.ndarray] = {}
         counts: Dict[str, Dict[str, int]] = {}
         for layer in response.layers:
@@ -278,7 +498,8 @@ class Client:
         }
         scales = Scales(tensors, granularity=granularity, observer=observer, fmt=fmt,
                         metadata={"session": sid, "observer_options": json.dumps(options),
-                                  "counts": json.dumps(counts), "workers": "1"})
+                                  "counts": json.dumps(counts),
+                                  "workers": str(len(self.workers or [self]))})
         return scales.to_torch() if as_torch else scales
 
     def _finalize_request(self, session_id: str, observer: str = "static_minmax",

@@ -205,7 +205,16 @@ def _cut(shape: Tuple[int, ...], layout: int, itemsize: int, chunk_bytes: int):
 
 
 class Producer:
-    """Streams chunks to one session as one producer; see the module docs."""
+    """Streams chunks to one session as one producer; see the module docs.
+
+    With a client of several workers, Producer(client) is a _ShardedProducer:
+    one producer stream per worker, each layer's chunks to the worker that
+    holds it (numbered per worker, as the C++ client does)."""
+
+    def __new__(cls, client: Client, *args, **kwargs):
+        if cls is Producer and getattr(client, "workers", None) is not None:
+            return super().__new__(_ShardedProducer)
+        return super().__new__(cls)
 
     def __init__(self, client: Client, session_id: Optional[str] = None, producer_id: str = "",
                  *, chunk_bytes: int = 4 << 20, max_pending_chunks: int = 1024,
@@ -525,6 +534,11 @@ class Producer:
                         f"for {self.reconnect_timeout:.0f} s: {e}"))
                     return
                 log.info("kvcal: stream broke (%s); reconnecting", code)
+                if self.client.relocate is not None:
+                    try:  # a sharding client: the worker may be back under a new address
+                        self.client.relocate()
+                    except Exception as relocate_error:  # looking is best effort
+                        log.info("kvcal: looking for a moved worker: %s", relocate_error)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 self.reconnects += 1
@@ -565,6 +579,8 @@ class Producer:
                         self._cv.wait(0.5)
                 try:
                     request = chunk.request(self.session_id, self.producer_id)
+                    if self.client.shard_worker_ids:
+                        request.shard_worker_ids.extend(self.client.shard_worker_ids)
                 except BaseException as e:  # e.g. a failed device copy
                     self._fail(ProducerError(f"kvcal: chunk {chunk.sequence}: {e}"))
                     return
@@ -610,3 +626,73 @@ class Producer:
                     self._seen_durable = True
                 self._durable = max(self._durable, durable)
                 self._release_locked(self._release_point_locked())
+
+
+class _ShardedProducer(Producer):
+    """Producer over a client of several workers: a Producer per worker."""
+
+    def __init__(self, client: Client, session_id: Optional[str] = None, producer_id: str = "",
+                 **kwargs):
+        self.client = client
+        self.session_id = session_id or client._session(None)
+        self.producer_id = producer_id or "default"
+        client.check_session_workers(self.session_id)  # the clear error for another worker set
+        self._shards = [Producer(w, self.session_id, producer_id, **kwargs) for w in client.workers]
+        self.geometry = self._shards[0].geometry
+
+    @property
+    def batch(self) -> int:
+        return self._shards[0].batch
+
+    def new_batch(self) -> int:
+        return [p.new_batch() for p in self._shards][0]
+
+    @property
+    def last_sequence(self) -> int:
+        return sum(p.last_sequence for p in self._shards)
+
+    @property
+    def reconnects(self) -> int:
+        return sum(p.reconnects for p in self._shards)
+
+    @property
+    def resumes(self) -> List[Tuple[int, int]]:
+        return [r for p in self._shards for r in p.resumes]
+
+    def put(self, layer: int, role, tensor, **kwargs) -> None:
+        from kvcal.sharding import layer_owner
+
+        shard = self._shards[layer_owner(self.session_id, int(layer), self.client.worker_ids)]
+        if kwargs.get("batch") is None:
+            kwargs["batch"] = self.batch
+            for p in self._shards:
+                p._batches_started = True
+        shard.put(layer, role, tensor, **kwargs)
+
+    def flush(self, durable: Optional[bool] = None, timeout: Optional[float] = None) -> None:
+        for p in self._shards:
+            p.flush(durable=durable, timeout=timeout)
+
+    def close(self) -> None:
+        errors = []
+        for p in self._shards:
+            try:
+                p.close()
+            except BaseException as e:  # close every stream, then report
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            for p in self._shards:
+                p.__exit__(exc_type, exc, tb)
+
+    def stats(self) -> dict:
+        total: dict = {}
+        for p in self._shards:
+            for k, v in p.stats().items():
+                total[k] = total.get(k, 0) + v
+        return total
