@@ -265,3 +265,7 @@ def capture(model, producer, roles=("q", "k", "v")):
                 _owners.pop(id(m), None)
             for name in names:
                 _uninstall(name)
+
+
+# Measurement (kvcal/evaluate.py): FP8 Q/K/V error, saturation, perplexity.
+from .evaluate import Evaluation, evaluate, fake_quantize, rescale_keys  # noqa: E402,F401
