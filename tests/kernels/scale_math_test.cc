@@ -277,15 +277,46 @@ TEST(MinMaxObserverTest, EmaDefaultConstantInFloat32) {
   auto h = ComputeScales(stats,
                          Options(Observer::kMinMaxEma, Granularity::kPerHead));
   ASSERT_THAT(h, IsOk());
+  // llm-compressor's lerp: state * (1 - c) + batch * c in float32.
   const float c = 0.01f;
+  const float keep = static_cast<float>(1.0 - double{c});
   float mn = -1.0f, mx = 2.0f;
-  mn = mn + c * (-3.0f - mn);
-  mx = mx + c * (4.0f - mx);
-  mn = mn + c * (0.5f - mn);
-  mx = mx + c * (1.0f - mx);
+  mn = mn * keep + -3.0f * c;
+  mx = mx * keep + 4.0f * c;
+  mn = mn * keep + 0.5f * c;
+  mx = mx * keep + 1.0f * c;
   const float range0 = std::max(std::fabs(std::min(mn, 0.0f)), mx);
   EXPECT_EQ(Role0(*h, Role::kK).scale[0], range0 / 448.0f);
   EXPECT_NEAR(range0, 2.0098f, 1e-6);
+}
+
+TEST(MinMaxObserverTest, EmaIsLlmCompressorsFormToTheBitOverManyBatches) {
+  // 64 batches of one value each: the state after each is
+  // state * (1 - c) + batch * c with both products rounded to float
+  // (torch's float32 tensor arithmetic), not state + c * (batch - state),
+  // which drifts by several ulp over tens of batches.
+  SessionStatistics stats(MakeGeometry(1, 1, 1, 0, 0b100));
+  Rng rng(5);
+  const float c = 0.01f;
+  const float keep = static_cast<float>(1.0 - double{c});
+  float mx = 0.0f, other = 0.0f;
+  for (uint64_t b = 0; b < 64; ++b) {
+    const float x = static_cast<float>(rng.Uniform(1.0, 21.0));
+    AddValues(stats, 0, Role::kV, 0, b, {x});
+    if (b == 0) {
+      mx = other = x;
+      continue;
+    }
+    const volatile float kept = mx * keep;  // no fused multiply-add
+    const volatile float added = x * c;
+    mx = kept + added;
+    other = other + c * (x - other);
+  }
+  auto t = ComputeScales(stats, Options(Observer::kMinMaxEma,
+                                        Granularity::kPerTensor));
+  ASSERT_THAT(t, IsOk());
+  EXPECT_EQ(Role0(*t, Role::kV).scale[0], mx / 448.0f);
+  EXPECT_NE(mx, other) << "the two forms happen to agree on this data";
 }
 
 TEST(MinMaxObserverTest, EmaClampsOnceAtTheEnd) {
@@ -451,7 +482,7 @@ double RawError(const std::vector<float>& values, float range, Format format,
 // static range by p = 1 - i / grid, keep the best, stop after `patience`
 // steps without improvement.
 float BruteForceMseRange(const std::vector<float>& values,
-                         const ScaleOptions& options) {
+                         const ScaleOptions& options, bool early_stop = true) {
   float mn = 0.0f, mx = 0.0f;
   for (float x : values) {
     mn = std::min(mn, x);
@@ -472,7 +503,7 @@ float BruteForceMseRange(const std::vector<float>& values,
       best = error;
       best_range = range;
       no_improve = 0;
-    } else if (++no_improve >= options.mse_patience) {
+    } else if (++no_improve >= options.mse_patience && early_stop) {
       break;
     }
   }
@@ -525,6 +556,10 @@ TEST(MseObserverTest, MatchesBruteForceWhenAllValuesAreKept) {
                 RawError(values, brute, format, norm) * (1 + 1e-9))
           << FormatName(format) << " trial " << trial << " ours " << ours
           << " brute " << brute;
+      // kvcal searches the whole grid: with every value exact, it finds
+      // the raw minimum over the grid itself.
+      EXPECT_EQ(ours, BruteForceMseRange(values, options, false))
+          << FormatName(format) << " trial " << trial;
     }
   }
 }

@@ -31,10 +31,12 @@ def observer_scales(batches, observer="static_minmax", granularity="head", c=0.0
         elif observer == "memoryless_minmax":
             mn, mx = mins[-1, h], maxs[-1, h]
         elif observer == "minmax":
-            mn, mx = float(mins[0, h]), float(maxs[0, h])
+            # llm-compressor's lerp in float32: state * (1 - c) + batch * c.
+            keep, cf = np.float32(1.0 - c), np.float32(c)
+            mn, mx = np.float32(mins[0, h]), np.float32(maxs[0, h])
             for b in range(1, mins.shape[0]):
-                mn = mn + c * (float(mins[b, h]) - mn)
-                mx = mx + c * (float(maxs[b, h]) - mx)
+                mn = np.float32(np.float32(mn * keep) + np.float32(np.float32(mins[b, h]) * cf))
+                mx = np.float32(np.float32(mx * keep) + np.float32(np.float32(maxs[b, h]) * cf))
         else:
             raise ValueError(observer)
         out.append(_scale(float(mn), float(mx)))

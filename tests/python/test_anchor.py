@@ -1,13 +1,15 @@
 """Anchor check: on the same activations, kvcal's scales equal those of
 llm-compressor's observers (the library users calibrate with today), per
-tensor and per head. Static, EMA and memoryless min-max agree to float32
-rounding; MSE (llm-compressor searches each batch's raw values, kvcal the
-exact top values plus the histogram of all data) is compared on one batch
-and agrees exactly or within one step of the shrink grid, with an error on
-the raw values within 1.02x of llm-compressor's.
+tensor and per head, on synthetic heavy-tailed data and on SmolLM2-135M's
+activations. Static, EMA and memoryless min-max agree to the bit; MSE (llm-compressor searches each batch's raw values, kvcal the
+exact top values plus the histogram of all data, over the whole shrink grid)
+is compared on one batch and agrees exactly or within one step of the grid,
+or finds a lower raw error past llm-compressor's early stop; its error on the
+raw values is within 1.02x of llm-compressor's. On SmolLM2 the CONTRACT goal
+(>= 99% of scales within 1.02x, all within 1.05x) is asserted per tensor and
+per head (mse_parity.py measures it on more data)."""
+import os
 
-Measured (40 random heavy-tailed draws, 120 scales): 116 equal, 4 one grid
-step away (ratios 0.9899, 1.0101, 1.0104)."""
 import numpy as np
 import pytest
 import torch
@@ -56,10 +58,82 @@ def kvcal_scales(worker, batches, observer, granularity):
 @pytest.mark.parametrize("observer", ["static_minmax", "minmax", "memoryless_minmax"])
 @pytest.mark.parametrize("granularity,strategy", [("tensor", "tensor"), ("head", "attn_head")])
 def test_minmax_observers_equal_llmcompressor(worker, observer, granularity, strategy):
-    batches = activations(5, seed=1)
+    """Bitwise, EMA included (llm-compressor's float32 state * (1 - c) +
+    batch * c), over 32 batches, where the algebraically equal
+    state + c * (batch - state) is several ulp off."""
+    batches = activations(32, seed=1)
     want = llmcompressor_scales(batches, observer, strategy)
     got = kvcal_scales(worker, batches, observer, granularity)
-    np.testing.assert_allclose(got, want, rtol=2e-7 if observer != "minmax" else 1e-6)
+    np.testing.assert_array_equal(got, want)
+
+
+# --- The same on a trained model's activations: SmolLM2-135M-Instruct. ---
+
+@pytest.fixture(scope="module")
+def smollm2_activations():
+    """Post-RoPE q, k and v of SmolLM2 on 4 batches of 2 x 64 tokens of
+    GPL-3 text, recorded by the test's own hooks: {layer: {role: [batches]}}."""
+    import smollm2
+    from tiny_llama import record_rotary_and_v
+
+    why = smollm2.available()
+    if why:
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    model, tokenizer = smollm2.load()
+    batches = smollm2.token_batches(tokenizer, smollm2.CALIBRATION_FILES, 4, 2, 64)
+    with record_rotary_and_v(model) as recorded, torch.no_grad():
+        for ids in batches:
+            model(ids, use_cache=False, logits_to_keep=1)
+    return model.config, recorded
+
+
+def kvcal_session(worker, config, recorded):
+    client = kvcal.Client(worker.target)
+    client.create_session(config)
+    with kvcal.Producer(client) as producer:
+        for b, forward in enumerate(recorded):
+            for layer, roles in forward.items():
+                for role, x in roles.items():
+                    producer.put(layer, role, x, batch=b)
+    return client
+
+
+@pytest.mark.parametrize("observer", ["static_minmax", "minmax", "memoryless_minmax"])
+def test_minmax_observers_equal_llmcompressor_on_smollm2(worker, smollm2_activations, observer):
+    config, recorded = smollm2_activations
+    client = kvcal_session(worker, config, recorded)
+    try:
+        for granularity, strategy in (("tensor", "tensor"), ("head", "attn_head")):
+            scales = client.finalize(observer=observer, granularity=granularity)
+            for layer in range(config.num_hidden_layers):
+                for role in "qkv":
+                    want = llmcompressor_scales([f[layer][role] for f in recorded], observer, strategy)
+                    got = scales[f"model.layers.{layer}.self_attn.{role}_scale"].reshape(-1)
+                    np.testing.assert_array_equal(got, want, err_msg=f"{granularity} {layer} {role}")
+    finally:
+        client.delete()
+
+
+def test_mse_within_contract_goal_on_smollm2(worker, smollm2_activations):
+    """CONTRACT.md's MSE goal on a trained model's activations: kvcal's
+    scale leaves at most 1.02x the error of llm-compressor's grid search on
+    the raw values for >= 99% of scales, at most 1.05x for all. Every third
+    layer and layer 7 (whose k head 0 has a raw error curve that rises for
+    four steps before its minimum): 33 scales per tensor, 165 per head;
+    raw grid searches are the cost (~40 s on two cores)."""
+    import mse_parity
+
+    config, recorded = smollm2_activations
+    client = kvcal_session(worker, config, recorded)
+    try:
+        figures = mse_parity.parity(client, recorded, sorted({*range(0, config.num_hidden_layers, 3), 7}))
+    finally:
+        client.delete()
+    for granularity, (to_search, _) in figures.items():
+        assert np.mean(to_search <= 1.02) >= 0.99, (granularity, mse_parity.summary(to_search))
+        assert to_search.max() <= 1.05, (granularity, mse_parity.summary(to_search))
 
 
 def fp8_error(x, scale, norm=2.4):
@@ -78,8 +152,12 @@ def test_mse_matches_llmcompressor_within_histogram_resolution(worker, granulari
     batches = activations(1, seed=seed)
     want = llmcompressor_scales(batches, "mse", strategy)
     got = kvcal_scales(worker, batches, "mse", granularity)
-    np.testing.assert_allclose(got, want, rtol=0.0126)  # one grid step at p >= 0.8
     x = batches[0]
     groups = [x] if granularity == "tensor" else [x[:, h] for h in range(KV_HEADS)]
     for values, ours, theirs in zip(groups, got, want):
-        assert fp8_error(values, float(ours)) <= 1.02 * fp8_error(values, float(theirs))
+        error, their_error = fp8_error(values, float(ours)), fp8_error(values, float(theirs))
+        assert error <= 1.02 * their_error
+        # The same scale or one grid step away (p >= 0.8), unless kvcal's
+        # whole-grid search found a lower raw error past llm-compressor's
+        # early stop.
+        assert abs(ours / theirs - 1) <= 0.0126 or error < their_error, (ours, theirs)

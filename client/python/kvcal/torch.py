@@ -27,8 +27,12 @@ Notes:
   dynamic cache: when the attention sees more keys than queries (a cache
   holds earlier tokens), only the newest keys and values (as many as there
   are queries) are sent, which is right for a dynamic cache only.
-- Padding tokens are sent like any other token; calibrate on unpadded
-  batches (or batch size 1) when that matters.
+- Padding: positions that the forward's 2-D `attention_mask` ([batch,
+  tokens], 0 = padding, as tokenizers return it) masks out are not sent, so
+  left- and right-padded batches give the scales of the unpadded sequences.
+  Left padding needs `position_ids` (cumsum of the mask − 1, as `generate`
+  passes them) for RoPE to see the same positions; the capture does not
+  change what the model computes. Without a mask every position is sent.
 - Attention recomputed during backward (gradient checkpointing) is not sent
   again.
 """
@@ -139,6 +143,7 @@ class _Capture:
         self.modules = _attention_modules(model)
         self.in_forward = False
         self.seen: set = set()
+        self.mask = None  # the current forward's 2-D attention_mask
         self.geometry = getattr(producer, "geometry", None) or getattr(producer.client, "geometry", None)
 
     def _record(self, module, query, key, value) -> None:
@@ -168,17 +173,42 @@ class _Capture:
                 f"layer {layer}: q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)} "
                 f"do not match the session's {g.num_attention_heads} query heads, "
                 f"{g.num_key_value_heads} key/value heads of head_dim {g.head_dim}"))
+        keep = self._kept_positions(layer, query.shape[0], tokens)
         for role, tensor in (("q", query), ("k", key), ("v", value)):
-            if role in self.roles:
+            if role not in self.roles:
+                continue
+            if keep is None:
                 self.producer.put(layer, role, tensor, layout="heads_tokens_dim")
+            else:
+                # [batch, heads, tokens, dim] -> the unmasked [n, heads, dim]
+                kept = tensor.transpose(1, 2)[keep.to(tensor.device)]
+                if kept.shape[0] > 0:
+                    self.producer.put(layer, role, kept, layout="tokens_heads_dim")
 
-    def pre_forward(self, module, args):
+    def _kept_positions(self, layer, batch, tokens):
+        """[batch, tokens] bool of the positions to send, or None for all."""
+        mask = self.mask
+        if mask is None:
+            return None
+        if mask.shape[0] != batch or mask.shape[1] < tokens:
+            raise _unsupported(self.model, (
+                f"layer {layer}: the attention_mask {tuple(mask.shape)} does not cover the "
+                f"attention's {batch} sequences of {tokens} tokens"))
+        keep = mask[:, -tokens:] != 0  # the mask covers cached tokens first
+        return None if bool(keep.all()) else keep
+
+    def pre_forward(self, module, args, kwargs):
         self.producer.new_batch()
         self.seen.clear()
         self.in_forward = True
+        mask = kwargs.get("attention_mask")
+        if mask is None and len(args) > 1:
+            mask = args[1]  # forward(input_ids, attention_mask, ...)
+        self.mask = mask if isinstance(mask, _torch.Tensor) and mask.dim() == 2 else None
 
     def post_forward(self, module, args, output):
         self.in_forward = False
+        self.mask = None
         expected = {m.layer_idx for m in self.modules}
         if not self.seen:
             raise _unsupported(self.model, (
@@ -223,7 +253,7 @@ def capture(model, producer, roles=("q", "k", "v")):
             raise
         for m in modules:
             _owners[id(m)] = state
-    hooks = [model.register_forward_pre_hook(state.pre_forward),
+    hooks = [model.register_forward_pre_hook(state.pre_forward, with_kwargs=True),
              model.register_forward_hook(state.post_forward)]
     try:
         yield state
@@ -235,3 +265,7 @@ def capture(model, producer, roles=("q", "k", "v")):
                 _owners.pop(id(m), None)
             for name in names:
                 _uninstall(name)
+
+
+# Measurement (kvcal/evaluate.py): FP8 Q/K/V error, saturation, perplexity.
+from .evaluate import Evaluation, evaluate, fake_quantize, rescale_keys  # noqa: E402,F401
