@@ -301,11 +301,10 @@ class CudaBackend final : public CudaStatisticsBackend {
     KVCAL_RETURN_IF_ERROR(CheckHealthyLocked());
     KVCAL_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Enter(device_));
     KVCAL_RETURN_IF_ERROR(CheckDeviceData(chunk));
-    KVCAL_ASSIGN_OR_RETURN(const uint32_t slot, BatchSlotLocked(chunk.batch));
     if (ready != nullptr) {
-      // Enqueues nothing that changes the state; a bad event is the
-      // caller's error (INVALID_ARGUMENT from cudaErrorInvalidResourceHandle
-      // maps to INTERNAL otherwise, so say it here).
+      // Changes no state (a later failure leaves only a harmless wait
+      // behind). A bad event is the caller's error: INVALID_ARGUMENT rather
+      // than the INTERNAL that cudaErrorInvalidResourceHandle maps to.
       const cudaError_t error = cudaStreamWaitEvent(compute_.get(), ready, 0);
       if (error != cudaSuccess) {
         absl::Status status = cuda::CudaCallFailed(
@@ -315,6 +314,7 @@ class CudaBackend final : public CudaStatisticsBackend {
             "the ready event cannot be waited on: ", status.message()));
       }
     }
+    KVCAL_ASSIGN_OR_RETURN(const uint32_t slot, BatchSlotLocked(chunk.batch));
     const size_t element_size = DTypeSize(chunk.dtype);
     const ElementType type = ToElementType(chunk.dtype);
     const auto* base =
