@@ -111,9 +111,12 @@ void AddFinalize(CLI::App* app, FinalizeArgs& f) {
   app->add_option("--mse-max-shrink", f.mse_max_shrink,
                   "MSE max shrink (0 = 0.20)");
   app->add_option("--mse-norm", f.mse_norm, "MSE error norm (0 = 2.4)");
-  app->add_option("--mse-patience", f.mse_patience, "accepted for llm-compressor compatibility; the MSE search covers the whole grid");
+  app->add_option("--mse-patience", f.mse_patience,
+                  "accepted for llm-compressor compatibility; the MSE search "
+                  "covers the whole grid");
   app->add_flag("--q-per-kv-group", f.q_per_kv_group,
-                "per head: reduce Q scales to one per KV group (max)");
+                "per head: reduce Q scales to one per KV group (max); not for "
+                "vLLM 0.34 checkpoints, which reduce q themselves");
   app->add_flag(
       "--allow-missing", f.allow_missing,
       "roles with heads that saw no data get no scale instead of an error");
