@@ -77,8 +77,9 @@ bool Truthy(const Json* v) {
   return true;
 }
 
+// Python's `value == n` for a JSON number (8 and 8.0 both equal 8).
 bool IsNumber(const Json* v, int n) {
-  return v != nullptr && v->is_number_integer() && v->get<int64_t>() == n;
+  return v != nullptr && v->is_number() && v->get<double>() == n;
 }
 
 // transformers_utils/config.py and model_loader/weight_utils.py: the
