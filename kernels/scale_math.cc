@@ -349,10 +349,9 @@ float MseRange(std::span<const HeadStatistics* const> heads,
     for (uint32_t bin = 0; bin < bins; ++bin) {
       if (own[bin] <= 0) continue;
       if (bin == cap_bin && bin > kUnderflowBin && bin < overflow_bin) {
-        intervals.push_back(
-            {HistogramBinLowerEdge(bin, log2_bins_per_octave),
-             std::min<double>(h->tail.back(), absmax),
-             static_cast<double>(own[bin])});
+        intervals.push_back({HistogramBinLowerEdge(bin, log2_bins_per_octave),
+                             std::min<double>(h->tail.back(), absmax),
+                             static_cast<double>(own[bin])});
       } else {
         residual[bin] += own[bin];
       }
@@ -370,10 +369,10 @@ float MseRange(std::span<const HeadStatistics* const> heads,
     const double count = static_cast<double>(residual[bin]);
     if (bin == kUnderflowBin || bin == overflow_bin) {
       // Below 2^-24 (error ~0 at any scale) or at 2^24 and above: a point.
-      const float at = bin == overflow_bin
-                           ? HistogramBinLowerEdge(bin, log2_bins_per_octave)
-                           : 0.5f * HistogramBinUpperEdge(
-                                        bin, log2_bins_per_octave);
+      const float at =
+          bin == overflow_bin
+              ? HistogramBinLowerEdge(bin, log2_bins_per_octave)
+              : 0.5f * HistogramBinUpperEdge(bin, log2_bins_per_octave);
       points.push_back({std::min(at, absmax), count});
       continue;
     }
@@ -411,8 +410,8 @@ float MseRange(std::span<const HeadStatistics* const> heads,
         if (diff != 0.0f) error += in.count * std::pow(double{diff}, norm);
         continue;
       }
-      const double integral = RoundingErrorIntegral(
-          in.lo / s, in.hi / s, qmax, options.format, norm);
+      const double integral = RoundingErrorIntegral(in.lo / s, in.hi / s, qmax,
+                                                    options.format, norm);
       error += in.count * s_power * integral / (in.hi - in.lo);
     }
     // Every step of the grid, no early stop (mse_patience is validated but

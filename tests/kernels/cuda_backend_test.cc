@@ -10,8 +10,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>

@@ -312,8 +312,8 @@ TEST(MinMaxObserverTest, EmaIsLlmCompressorsFormToTheBitOverManyBatches) {
     mx = kept + added;
     other = other + c * (x - other);
   }
-  auto t = ComputeScales(stats, Options(Observer::kMinMaxEma,
-                                        Granularity::kPerTensor));
+  auto t = ComputeScales(
+      stats, Options(Observer::kMinMaxEma, Granularity::kPerTensor));
   ASSERT_THAT(t, IsOk());
   EXPECT_EQ(Role0(*t, Role::kV).scale[0], mx / 448.0f);
   EXPECT_NE(mx, other) << "the two forms happen to agree on this data";
