@@ -18,7 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "client/safetensors.h"
 #include "client/sharding.h"
-#include "kernels/status_macros.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {
@@ -530,6 +530,11 @@ absl::StatusOr<v1::FinalizeResponse> CalibrationClient::Finalize(
                                   workers_[i].endpoint, ")")));
     for (v1::LayerScales& l : *response.mutable_layers()) {
       *total.add_layers() = std::move(l);
+    }
+    if (!total.has_resolved() && response.has_resolved()) {
+      // Every worker resolves the same options; the layers are the caller's.
+      *total.mutable_resolved() = response.resolved();
+      *total.mutable_resolved()->mutable_layers() = request.layers();
     }
   }
   std::sort(total.mutable_layers()->begin(), total.mutable_layers()->end(),

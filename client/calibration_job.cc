@@ -8,7 +8,8 @@
 #include "client/model_config.h"
 #include "client/progress.h"
 #include "kernels/scale_math.h"
-#include "kernels/status_macros.h"
+#include "proto/names.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {
@@ -27,34 +28,6 @@ std::string Range(const google::protobuf::RepeatedField<float>& values) {
 }
 
 }  // namespace
-
-absl::StatusOr<v1::Observer> ParseObserver(absl::string_view name) {
-  if (name == "static-minmax") return v1::OBSERVER_STATIC_MINMAX;
-  if (name == "minmax-ema") return v1::OBSERVER_MINMAX_EMA;
-  if (name == "memoryless-minmax") return v1::OBSERVER_MEMORYLESS_MINMAX;
-  if (name == "mse") return v1::OBSERVER_MSE;
-  if (name == "percentile") return v1::OBSERVER_PERCENTILE;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown observer '", name,
-      "' (static-minmax, minmax-ema, memoryless-minmax, mse, percentile)"));
-}
-
-absl::StatusOr<v1::Granularity> ParseGranularity(absl::string_view name) {
-  if (name == "tensor") return v1::GRANULARITY_PER_TENSOR;
-  if (name == "head") return v1::GRANULARITY_PER_HEAD;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown granularity '", name, "' (tensor or head)"));
-}
-
-absl::StatusOr<v1::Format> ParseFormat(absl::string_view name) {
-  if (name == "fp8-e4m3fn") return v1::FORMAT_FP8_E4M3FN;
-  if (name == "fp8-e4m3fnuz") return v1::FORMAT_FP8_E4M3FNUZ;
-  if (name == "fp8-e5m2") return v1::FORMAT_FP8_E5M2;
-  if (name == "int8") return v1::FORMAT_INT8;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown format '", name,
-                   "' (fp8-e4m3fn, fp8-e4m3fnuz, fp8-e5m2, int8)"));
-}
 
 absl::StatusOr<v1::Session> CreateSessionFromConfig(
     CalibrationClient& client, const std::string& config_path,
@@ -119,30 +92,29 @@ absl::StatusOr<FinalizeSummary> FinalizeToFile(
   FinalizeSummary summary;
   KVCAL_ASSIGN_OR_RETURN(summary.response, client.Finalize(request));
   CalibratedScales& scales = summary.scales;
-  scales.granularity = request.granularity() == v1::GRANULARITY_PER_HEAD
+  // The worker echoes the request with its defaults resolved: the scales
+  // file records what produced the scales without a copy of the defaults.
+  if (!summary.response.has_resolved()) {
+    return absl::FailedPreconditionError(
+        "Finalize: the worker did not report the options it used "
+        "(FinalizeResponse.resolved); upgrade the worker");
+  }
+  const v1::FinalizeRequest& used = summary.response.resolved();
+  scales.granularity = used.granularity() == v1::GRANULARITY_PER_HEAD
                            ? Granularity::kPerHead
                            : Granularity::kPerTensor;
-  const v1::Observer observer = request.observer() == v1::OBSERVER_UNSPECIFIED
-                                    ? v1::OBSERVER_STATIC_MINMAX
-                                    : request.observer();
-  const v1::Format format = request.format() == v1::FORMAT_UNSPECIFIED
-                                ? v1::FORMAT_FP8_E4M3FN
-                                : request.format();
-  scales.observer = std::string(ObserverName(static_cast<Observer>(observer)));
-  Json options = {
-      {"averaging_constant", request.averaging_constant() == 0
-                                 ? 0.01f
-                                 : request.averaging_constant()},
-      {"percentile", request.percentile() == 0 ? 99.99 : request.percentile()},
-      {"margin", request.margin() == 0 ? 1.0f : request.margin()},
-      {"mse_grid", request.mse_grid() == 0 ? 100u : request.mse_grid()},
-      {"mse_max_shrink",
-       request.mse_max_shrink() == 0 ? 0.2f : request.mse_max_shrink()},
-      {"mse_norm", request.mse_norm() == 0 ? 2.4f : request.mse_norm()},
-      {"mse_patience",
-       request.mse_patience() == 0 ? 5u : request.mse_patience()},
-      {"q_per_kv_group", request.q_per_kv_group()},
-      {"allow_missing", request.allow_missing()}};
+  const v1::Observer observer = used.observer();
+  const v1::Format format = used.format();
+  scales.observer = CanonicalName(observer);
+  Json options = {{"averaging_constant", used.averaging_constant()},
+                  {"percentile", used.percentile()},
+                  {"margin", used.margin()},
+                  {"mse_grid", used.mse_grid()},
+                  {"mse_max_shrink", used.mse_max_shrink()},
+                  {"mse_norm", used.mse_norm()},
+                  {"mse_patience", used.mse_patience()},
+                  {"q_per_kv_group", used.q_per_kv_group()},
+                  {"allow_missing", used.allow_missing()}};
   Json counts = Json::object();
   for (const v1::LayerScales& layer : summary.response.layers()) {
     auto& roles = scales.layers[layer.layer()];
@@ -154,8 +126,7 @@ absl::StatusOr<FinalizeSummary> FinalizeToFile(
     }
     counts[std::to_string(layer.layer())] = std::move(layer_counts);
   }
-  scales.metadata["format"] =
-      std::string(FormatName(static_cast<Format>(format)));
+  scales.metadata["format"] = CanonicalName(format);
   scales.metadata["observer_options"] = options.dump();
   scales.metadata["session"] = request.session_id();
   scales.metadata["counts"] = counts.dump();

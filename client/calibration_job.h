@@ -21,11 +21,6 @@
 
 namespace kvcal {
 
-// CLI names <-> wire enums.
-absl::StatusOr<v1::Observer> ParseObserver(absl::string_view name);
-absl::StatusOr<v1::Granularity> ParseGranularity(absl::string_view name);
-absl::StatusOr<v1::Format> ParseFormat(absl::string_view name);
-
 absl::StatusOr<v1::Session> CreateSessionFromConfig(
     CalibrationClient& client, const std::string& config_path,
     const std::string& session_id, uint32_t bins_per_octave);

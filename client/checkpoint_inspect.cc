@@ -17,7 +17,7 @@
 #include "client/safetensors.h"
 #include "client/vllm_rules.h"
 #include "kernels/element_math.h"
-#include "kernels/status_macros.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {

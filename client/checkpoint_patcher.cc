@@ -21,8 +21,8 @@
 #include "client/safetensors.h"
 #include "client/scales_file.h"
 #include "client/vllm_rules.h"
-#include "kernels/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {

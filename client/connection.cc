@@ -5,7 +5,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "client/safetensors.h"
-#include "kernels/status_macros.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 
@@ -75,12 +75,6 @@ void PrepareContext(grpc::ClientContext& context,
                          absl::ToChronoMilliseconds(timeout));
   }
   context.set_wait_for_ready(wait_for_ready);
-}
-
-absl::Status ToAbslStatus(const grpc::Status& status, absl::string_view what) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      absl::StrCat(what, ": ", status.error_message()));
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {

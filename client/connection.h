@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "util/grpc_status.h"  // ToAbslStatus, for the callers of these channels
 
 namespace kvcal {
 
@@ -41,9 +42,6 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(
 void PrepareContext(grpc::ClientContext& context,
                     const ConnectionOptions& options, absl::Duration timeout,
                     bool wait_for_ready = false);
-
-// absl and gRPC status codes share numbers; `what` says which call failed.
-absl::Status ToAbslStatus(const grpc::Status& status, absl::string_view what);
 
 // Reads the bearer token from a file (trailing whitespace trimmed).
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);

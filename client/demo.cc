@@ -18,7 +18,8 @@
 #include "client/demo_model.h"
 #include "client/kvcal_cli.h"
 #include "client/local_worker.h"
-#include "kernels/status_macros.h"
+#include "proto/names.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {
@@ -146,7 +147,7 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
     request.set_session_id(session.session_id());
     request.set_granularity(v1::GRANULARITY_PER_HEAD);
     request.set_observer(observer);
-    const std::string name(ObserverName(static_cast<Observer>(observer)));
+    const std::string name = CanonicalName(observer);
     const std::string path =
         absl::StrCat(dir, "/scales-", name, ".safetensors");
     KVCAL_ASSIGN_OR_RETURN(FinalizeSummary f,

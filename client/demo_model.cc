@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/safetensors.h"
-#include "kernels/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {

@@ -18,7 +18,9 @@
 #include "client/checkpoint_patcher.h"
 #include "client/connection.h"
 #include "client/kvcal_cli.h"
-#include "kernels/status_macros.h"
+#include "kernels/scale_math.h"
+#include "proto/names.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {
@@ -56,8 +58,8 @@ struct Args {
   uint32_t histograms = 64;
   std::string producer = "default";
   std::string dump_dir;
-  size_t chunk_bytes = size_t{4} << 20;
-  size_t window = 16;
+  size_t chunk_bytes = UploaderOptions{}.max_chunk_bytes;
+  size_t window = UploaderOptions{}.window;  // docs/producers.md
   bool resume = false;
   FinalizeArgs finalize;
   std::string output;
@@ -96,21 +98,32 @@ void AddConnection(CLI::App* app, ConnectionArgs& c) {
 }
 
 void AddFinalize(CLI::App* app, FinalizeArgs& f) {
+  // Spellings from the one names table (proto/names.h): config.json's
+  // "minmax", "static_minmax", "attn_head" are accepted as well.
   app->add_option("--observer", f.observer,
-                  "static-minmax|minmax-ema|memoryless-minmax|mse|percentile")
+                  CliNames(v1::Observer_descriptor()) +
+                      " (or the name config.json records)")
       ->capture_default_str();
-  app->add_option("--granularity", f.granularity, "tensor|head")
+  app->add_option("--granularity", f.granularity,
+                  CliNames(v1::Granularity_descriptor()))
       ->capture_default_str();
-  app->add_option("--format", f.format, "fp8-e4m3fn|fp8-e4m3fnuz|fp8-e5m2|int8")
+  app->add_option("--format", f.format, CliNames(v1::Format_descriptor()))
       ->capture_default_str();
-  app->add_option("--averaging-constant", f.averaging_constant,
-                  "minmax-ema constant (0 = 0.01)");
-  app->add_option("--percentile", f.percentile, "percentile p (0 = 99.99)");
-  app->add_option("--margin", f.margin, "multiplies every range (0 = 1.0)");
-  app->add_option("--mse-grid", f.mse_grid, "MSE grid (0 = 100)");
+  // 0 = the worker's default; the defaults live in ScaleOptions.
+  const ScaleOptions d;
+  app->add_option(
+      "--averaging-constant", f.averaging_constant,
+      absl::StrCat("minmax-ema constant (0 = ", d.averaging_constant, ")"));
+  app->add_option("--percentile", f.percentile,
+                  absl::StrCat("percentile p (0 = ", d.percentile, ")"));
+  app->add_option("--margin", f.margin,
+                  absl::StrCat("multiplies every range (0 = ", d.margin, ")"));
+  app->add_option("--mse-grid", f.mse_grid,
+                  absl::StrCat("MSE grid (0 = ", d.mse_grid, ")"));
   app->add_option("--mse-max-shrink", f.mse_max_shrink,
-                  "MSE max shrink (0 = 0.20)");
-  app->add_option("--mse-norm", f.mse_norm, "MSE error norm (0 = 2.4)");
+                  absl::StrCat("MSE max shrink (0 = ", d.mse_max_shrink, ")"));
+  app->add_option("--mse-norm", f.mse_norm,
+                  absl::StrCat("MSE error norm (0 = ", d.mse_norm, ")"));
   app->add_option("--mse-patience", f.mse_patience,
                   "accepted for llm-compressor compatibility; the MSE search "
                   "covers the whole grid");

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/safetensors.h"
-#include "kernels/status_macros.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {

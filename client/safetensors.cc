@@ -14,8 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/element_math.h"
-#include "kernels/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {
@@ -25,54 +25,7 @@ using Json = nlohmann::ordered_json;
 // Largest header we accept; the format's own reference limit is 100 MB.
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 
-absl::Status ErrnoError(absl::string_view what, const std::string& path) {
-  const int err = errno;
-  return absl::Status(
-      err == ENOENT ? absl::StatusCode::kNotFound : absl::StatusCode::kInternal,
-      absl::StrCat(what, " ", path, ": ", std::strerror(err)));
-}
-
-// Closes a file descriptor on scope exit.
-class FileDescriptor {
- public:
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  FileDescriptor(const FileDescriptor&) = delete;
-  FileDescriptor& operator=(const FileDescriptor&) = delete;
-  ~FileDescriptor() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-  // Closes now and reports a failure (close can report write-back errors).
-  bool Close() {
-    const int fd = fd_;
-    fd_ = -1;
-    return ::close(fd) == 0;
-  }
-
- private:
-  int fd_;
-};
-
-absl::Status WriteAll(int fd, const void* data, size_t size,
-                      const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t n = ::write(fd, p, size);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError("cannot write", path);
-    }
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
-
-std::string ShapeString(const std::vector<uint64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
-}
 
 std::optional<size_t> SafetensorsDTypeSize(absl::string_view dtype) {
   static const auto* const kSizes =
@@ -349,42 +302,6 @@ absl::Status WriteSafetensors(
   }
   if (::fsync(fd.get()) != 0) return ErrnoError("cannot fsync", path);
   if (!fd.Close()) return ErrnoError("cannot close", path);
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
-  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return ErrnoError("cannot open", path);
-  std::string contents;
-  char buffer[1 << 16];
-  while (true) {
-    const ssize_t n = ::read(fd.get(), buffer, sizeof(buffer));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError("cannot read", path);
-    }
-    if (n == 0) break;
-    contents.append(buffer, static_cast<size_t>(n));
-  }
-  return contents;
-}
-
-absl::Status WriteFileSynced(const std::string& path,
-                             absl::string_view contents) {
-  FileDescriptor fd(
-      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) return ErrnoError("cannot create", path);
-  KVCAL_RETURN_IF_ERROR(
-      WriteAll(fd.get(), contents.data(), contents.size(), path));
-  if (::fsync(fd.get()) != 0) return ErrnoError("cannot fsync", path);
-  if (!fd.Close()) return ErrnoError("cannot close", path);
-  return absl::OkStatus();
-}
-
-absl::Status SyncDirectory(const std::string& path) {
-  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (fd.get() < 0) return ErrnoError("cannot open directory", path);
-  if (::fsync(fd.get()) != 0) return ErrnoError("cannot fsync directory", path);
   return absl::OkStatus();
 }
 

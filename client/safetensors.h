@@ -28,15 +28,14 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "util/file_io.h"  // ReadSmallFile, WriteFileSynced, SyncDirectory
+#include "util/strings.h"  // ShapeString
 
 namespace kvcal {
 
 // Bytes per element of a safetensors dtype ("F32", "BF16", ...); nullopt
 // when the dtype is unknown.
 std::optional<size_t> SafetensorsDTypeSize(absl::string_view dtype);
-
-// "[2,3,4]".
-std::string ShapeString(const std::vector<uint64_t>& shape);
 
 struct TensorInfo {
   std::string name;
@@ -112,14 +111,6 @@ struct TensorToWrite {
     const std::string& path, absl::Span<const TensorToWrite> tensors,
     const std::map<std::string, std::string>& metadata,
     size_t block_bytes = size_t{8} << 20);
-
-// Reads a whole small file (config.json, an index) into a string.
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
-// Writes `contents` to `path` and fsyncs it.
-[[nodiscard]] absl::Status WriteFileSynced(const std::string& path,
-                                           absl::string_view contents);
-// fsyncs a directory so renames inside it are durable.
-[[nodiscard]] absl::Status SyncDirectory(const std::string& path);
 
 }  // namespace kvcal
 

@@ -7,7 +7,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/safetensors.h"
-#include "kernels/status_macros.h"
+#include "proto/names.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {
@@ -16,8 +17,8 @@ constexpr char kRoleLetters[] = {'q', 'k', 'v'};
 
 }  // namespace
 
-absl::string_view GranularityName(Granularity granularity) {
-  return granularity == Granularity::kPerHead ? "head" : "tensor";
+std::string GranularityName(Granularity granularity) {
+  return CanonicalName(static_cast<v1::Granularity>(granularity));
 }
 
 std::string ScaleTensorName(uint32_t layer, Role role) {

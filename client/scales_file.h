@@ -45,8 +45,8 @@ std::string ScaleTensorName(uint32_t layer, Role role);
 // every scale is finite and > 0.
 absl::StatusOr<CalibratedScales> ReadScalesFile(const std::string& path);
 
-// "tensor" / "head" and back.
-absl::string_view GranularityName(Granularity granularity);
+// "tensor" / "head" (proto/names.h).
+std::string GranularityName(Granularity granularity);
 
 }  // namespace kvcal
 

@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/status_macros.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {

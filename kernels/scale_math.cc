@@ -13,36 +13,6 @@
 
 namespace kvcal {
 
-absl::string_view ObserverName(Observer observer) {
-  switch (observer) {
-    case Observer::kStaticMinMax:
-      return "static_minmax";
-    case Observer::kMinMaxEma:
-      return "minmax";
-    case Observer::kMemorylessMinMax:
-      return "memoryless_minmax";
-    case Observer::kMse:
-      return "mse";
-    case Observer::kPercentile:
-      return "percentile";
-  }
-  return "unknown";
-}
-
-absl::string_view FormatName(Format format) {
-  switch (format) {
-    case Format::kFp8E4m3fn:
-      return "float8_e4m3fn";
-    case Format::kFp8E4m3fnuz:
-      return "float8_e4m3fnuz";
-    case Format::kFp8E5m2:
-      return "float8_e5m2";
-    case Format::kInt8:
-      return "int8";
-  }
-  return "unknown";
-}
-
 float FormatMax(Format format) {
   switch (format) {
     case Format::kFp8E4m3fn:
@@ -458,9 +428,8 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
        options.observer == Observer::kPercentile) &&
       !g.has_histograms()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("observer ", ObserverName(options.observer),
-                     " needs histograms; this session was created with "
-                     "histogram_bins_per_octave = 0"));
+        "the mse and percentile observers need histograms; this session was "
+        "created with histogram_bins_per_octave = 0");
   }
   if (stats.finite_values() == 0) {
     return absl::FailedPreconditionError(

@@ -46,9 +46,8 @@ enum class Format : uint32_t {
   kFp8E5m2 = 3,
   kInt8 = 4,
 };
-
-absl::string_view ObserverName(Observer observer);  // "static_minmax", ...
-absl::string_view FormatName(Format format);        // "float8_e4m3fn", ...
+// The spellings of these values (names users type and files record) live
+// in one table: proto/kvcal/v1/calibration.proto, read through proto/names.h.
 
 // Largest magnitude of the format: 448, 240, 57344, 127.
 float FormatMax(Format format);

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "util/strings.h"
 
 namespace kvcal {
 
@@ -110,10 +111,6 @@ std::string Geometry::DebugString() const {
 }
 
 namespace {
-
-std::string ShapeString(absl::Span<const uint64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
-}
 
 // a * b, or false on uint64 overflow.
 bool CheckedMul(uint64_t a, uint64_t b, uint64_t* out) {

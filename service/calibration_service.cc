@@ -10,10 +10,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "service/grpc_status.h"
 #include "service/log.h"
 #include "service/proto_convert.h"
 #include "service/session_persister.h"
+#include "util/grpc_status.h"
 
 namespace kvcal::service {
 namespace {
@@ -182,6 +182,8 @@ grpc::ServerUnaryReactor* CalibrationService::Finalize(
         auto result = (*session)->Finalize(*options);
         if (!result.ok()) return result.status();
         ScaleResultToProto(*result, response);
+        *response->mutable_resolved() = *request;
+        ScaleOptionsToProto(*options, response->mutable_resolved());
         return absl::OkStatus();
       });
 }

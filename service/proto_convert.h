@@ -27,6 +27,11 @@ ShardMap ShardMapFromProto(const kvcal::v1::ShardMap& map);
 void ShardMapToProto(const ShardMap& map, kvcal::v1::ShardMap* out);
 
 void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out);
+// Writes every option of `options` into `out` (the resolved request that
+// FinalizeResponse echoes); session_id, layers and shard ids are left as
+// they are.
+void ScaleOptionsToProto(const ScaleOptions& options,
+                         kvcal::v1::FinalizeRequest* out);
 void ScaleResultToProto(const ScaleResult& result,
                         kvcal::v1::FinalizeResponse* out);
 

@@ -1,9 +1,9 @@
 #include "service/session_persister.h"
 
 #include "absl/strings/str_cat.h"
-#include "kernels/status_macros.h"
 #include "service/log.h"
 #include "service/proto_convert.h"
+#include "util/status_macros.h"
 
 namespace kvcal::service {
 

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/status_macros.h"
+#include "util/status_macros.h"
 
 namespace kvcal::service {
 
@@ -36,7 +36,8 @@ std::string SessionRegistry::NewSessionId(absl::string_view tenant) {
   static thread_local std::mt19937_64 rng(std::random_device{}());
   for (;;) {
     std::string id = absl::StrFormat("s-%016x", rng());
-    if (sessions_.find(Key(tenant, id)) == sessions_.end()) return id;
+    const Key key(tenant, id);
+    if (sessions_.count(key) == 0 && building_.count(key) == 0) return id;
   }
 }
 
@@ -86,14 +87,55 @@ void SessionRegistry::Add(const std::shared_ptr<Session>& session) {
   sessions_.emplace(Key(session->tenant(), session->id()), session);
 }
 
+uint64_t SessionRegistry::Reserve(const Key& key, const Geometry& geometry) {
+  const uint64_t bytes = EstimateStateBytes(geometry);
+  Usage& usage = usage_[key.first];
+  ++usage.sessions;
+  usage.bytes += bytes;
+  ++total_.sessions;
+  total_.bytes += bytes;
+  building_.insert(key);
+  return bytes;
+}
+
+void SessionRegistry::Commit(const Key& key, uint64_t reserved,
+                             const std::shared_ptr<Session>& session) {
+  Usage& usage = usage_[key.first];
+  --usage.sessions;
+  usage.bytes -= reserved;
+  --total_.sessions;
+  total_.bytes -= reserved;
+  building_.erase(key);
+  if (session != nullptr) Add(session);
+  built_.notify_all();
+}
+
+void SessionRegistry::AwaitBuilt(std::unique_lock<std::mutex>& lock,
+                                 const Key& key) {
+  built_.wait(lock, [&] { return building_.count(key) == 0; });
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Build(
+    const Key& key, uint64_t reserved,
+    const std::function<absl::StatusOr<std::shared_ptr<Session>>()>& build) {
+  // mu_ is not held here: other tenants' calls, and this tenant's other
+  // sessions, go on while the session is built.
+  if (options_.on_build) options_.on_build(key.second);
+  absl::StatusOr<std::shared_ptr<Session>> session = build();
+  std::lock_guard<std::mutex> lock(mu_);
+  Commit(key, reserved, session.ok() ? *session : nullptr);
+  return session;
+}
+
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
     absl::string_view tenant, absl::string_view id, const Geometry& geometry,
     const ShardMap& shard_map) {
   KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/true));
   KVCAL_RETURN_IF_ERROR(geometry.Validate());
   KVCAL_RETURN_IF_ERROR(ValidateShardMap(shard_map, geometry.num_layers));
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (!id.empty()) {
+    AwaitBuilt(lock, Key(tenant, id));
     auto it = sessions_.find(Key(tenant, id));
     if (it != sessions_.end()) {
       if (it->second->geometry() == geometry) {
@@ -107,13 +149,18 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
     }
   }
   KVCAL_RETURN_IF_ERROR(CheckLimits(tenant, geometry));
-  std::string new_id = id.empty() ? NewSessionId(tenant) : std::string(id);
-  KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
-                         Session::Create(std::move(new_id), std::string(tenant),
-                                         geometry, options_.session));
-  KVCAL_RETURN_IF_ERROR(session->AdoptShardMap(shard_map));
-  Add(session);
-  return session;
+  const Key key{std::string(tenant),
+                id.empty() ? NewSessionId(tenant) : std::string(id)};
+  const uint64_t reserved = Reserve(key, geometry);
+  lock.unlock();
+  return Build(
+      key, reserved, [&]() -> absl::StatusOr<std::shared_ptr<Session>> {
+        KVCAL_ASSIGN_OR_RETURN(
+            std::shared_ptr<Session> session,
+            Session::Create(key.second, key.first, geometry, options_.session));
+        KVCAL_RETURN_IF_ERROR(session->AdoptShardMap(shard_map));
+        return session;
+      });
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Get(
@@ -174,16 +221,20 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Import(
   }
   std::shared_ptr<Session> existing;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = sessions_.find(Key(tenant, id));
+    std::unique_lock<std::mutex> lock(mu_);
+    const Key key{std::string(tenant), std::string(id)};
+    AwaitBuilt(lock, key);
+    auto it = sessions_.find(key);
     if (it == sessions_.end()) {
       KVCAL_RETURN_IF_ERROR(CheckLimits(tenant, snapshot.geometry));
-      KVCAL_ASSIGN_OR_RETURN(
-          std::shared_ptr<Session> created,
-          Session::FromSnapshot(std::string(id), std::string(tenant), snapshot,
-                                options_.session, import_id));
-      Add(created);
-      return created;
+      const uint64_t reserved = Reserve(key, snapshot.geometry);
+      lock.unlock();
+      // Deserialising the snapshot's statistics into a backend is the slow
+      // part of a large import; it runs without the registry's lock.
+      return Build(key, reserved, [&] {
+        return Session::FromSnapshot(key.second, key.first, snapshot,
+                                     options_.session, import_id);
+      });
     }
     existing = it->second;
   }

@@ -10,10 +10,13 @@
 #ifndef KVCAL_SERVICE_SESSION_REGISTRY_H_
 #define KVCAL_SERVICE_SESSION_REGISTRY_H_
 
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +38,9 @@ struct RegistryOptions {
   uint64_t memory_budget_bytes = 0;
   uint64_t max_sessions_per_tenant = 0;
   uint64_t memory_budget_bytes_per_tenant = 0;
+  // Test seam: called while a session is being built (backend allocation,
+  // snapshot deserialisation), with the registry's lock not held.
+  std::function<void(absl::string_view id)> on_build;
 };
 
 // CONTRACT.md "Sessions": [A-Za-z0-9._-]{1,128}. `allow_empty` for
@@ -80,12 +86,26 @@ class SessionRegistry {
                            const Geometry& geometry);  // mu_ held
   std::string NewSessionId(absl::string_view tenant);  // mu_ held
   void Add(const std::shared_ptr<Session>& session);   // mu_ held
+  // Building a session (backend allocation, a snapshot's statistics) is slow
+  // and happens without mu_: the registry reserves the key and the room the
+  // limits grant it first (mu_ held), builds, then Commit adds the session
+  // (or, on failure, gives the room back) and wakes waiters.
+  uint64_t Reserve(const Key& key, const Geometry& geometry);  // mu_ held
+  void Commit(const Key& key, uint64_t reserved,
+              const std::shared_ptr<Session>& session);  // mu_ held
+  // Waits (releasing mu_) while `key` is being built by another call.
+  void AwaitBuilt(std::unique_lock<std::mutex>& lock, const Key& key);
+  absl::StatusOr<std::shared_ptr<Session>> Build(
+      const Key& key, uint64_t reserved,
+      const std::function<absl::StatusOr<std::shared_ptr<Session>>()>& build);
 
   const RegistryOptions options_;
   std::mutex mu_;
   std::map<Key, std::shared_ptr<Session>> sessions_;  // guarded by mu_
   std::map<std::string, Usage, std::less<>> usage_;   // guarded by mu_
   Usage total_;                                       // guarded by mu_
+  std::set<Key> building_;                            // guarded by mu_
+  std::condition_variable built_;                     // signalled on Commit
 };
 
 }  // namespace kvcal::service

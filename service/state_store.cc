@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/statistics.h"
+#include "util/file_io.h"
 
 namespace kvcal::service {
 namespace {
@@ -21,33 +22,9 @@ namespace {
 constexpr char kMagic[8] = {'K', 'V', 'C', 'A', 'L', 'S', 'S', '1'};
 constexpr absl::string_view kSuffix = ".kvstate";
 
+// The state dir's errors are UNAVAILABLE: the worker cannot keep state.
 absl::Status Errno(absl::string_view what, const std::string& path) {
-  return absl::UnavailableError(
-      absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
-}
-
-absl::Status WriteAll(int fd, const std::string& bytes,
-                      const std::string& path) {
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n =
-        ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return Errno("cannot write", path);
-    }
-    written += static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status FsyncDir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return Errno("cannot open directory", dir);
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) return Errno("cannot fsync directory", dir);
-  return absl::OkStatus();
+  return ErrnoError(what, path, absl::StatusCode::kUnavailable);
 }
 
 }  // namespace
@@ -112,22 +89,8 @@ absl::Status StateStore::Save(const std::string& tenant,
                               const std::string& session_id,
                               const kvcal::v1::SessionState& state) {
   const std::string path = PathFor(tenant, session_id);
-  const std::string temp = path + ".tmp";
-  const std::string bytes = Encode(state);
-  const int fd =
-      ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Errno("cannot create", temp);
-  absl::Status status = WriteAll(fd, bytes, temp);
-  if (status.ok() && ::fsync(fd) != 0) status = Errno("cannot fsync", temp);
-  ::close(fd);
-  if (status.ok() && ::rename(temp.c_str(), path.c_str()) != 0) {
-    status = Errno("cannot rename onto", path);
-  }
-  if (!status.ok()) {
-    ::unlink(temp.c_str());
-    return status;
-  }
-  return FsyncDir(dir_);
+  return ReplaceFileDurably(path, Encode(state),
+                            absl::StatusCode::kUnavailable);
 }
 
 absl::Status StateStore::Remove(const std::string& tenant,
@@ -136,7 +99,7 @@ absl::Status StateStore::Remove(const std::string& tenant,
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
     return Errno("cannot remove", path);
   }
-  return FsyncDir(dir_);
+  return SyncDirectory(dir_, absl::StatusCode::kUnavailable);
 }
 
 std::vector<StoredState> StateStore::LoadAll(

@@ -12,9 +12,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/device_health.h"
-#include "kernels/status_macros.h"
 #include "service/log.h"
 #include "service/shard_map.h"
+#include "util/status_macros.h"
 
 namespace kvcal::service {
 namespace {

@@ -33,7 +33,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_resources.h"
 #include "kernels/cuda/cuda_status.h"
-#include "kernels/status_macros.h"
+#include "util/status_macros.h"
 
 namespace kvcal::bench {
 namespace {

@@ -16,8 +16,8 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/run_kernels.h"
 #include "kernels/element_math.h"
-#include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {

@@ -31,7 +31,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/statistics_kernels.h"
 #include "kernels/element_math.h"
-#include "kernels/status_macros.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {

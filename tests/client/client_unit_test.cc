@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <set>
 
 #include "client/calibration_client.h"
@@ -14,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "proto/names.h"
 
 namespace kvcal {
 namespace {
@@ -229,6 +231,87 @@ TEST(CliNamesTest, ParsesObserversGranularitiesFormats) {
   EXPECT_EQ(*ParseGranularity("head"), v1::GRANULARITY_PER_HEAD);
   EXPECT_EQ(*ParseFormat("fp8-e4m3fnuz"), v1::FORMAT_FP8_E4M3FNUZ);
   EXPECT_FALSE(ParseFormat("fp4").ok());
+  EXPECT_FALSE(ParseObserver("").ok());
+  EXPECT_FALSE(ParseObserver("OBSERVER_UNSPECIFIED").ok());
+}
+
+// Every spelling users meet: what the CLI prints, what config.json and the
+// scales file record (llm-compressor's names), what compressed-tensors
+// writes as a strategy, the proto value names, in any case.
+TEST(CliNamesTest, AcceptsEverySpellingUsersMeet) {
+  const std::vector<std::pair<std::string, v1::Observer>> observers = {
+      {"static-minmax", v1::OBSERVER_STATIC_MINMAX},
+      {"static_minmax", v1::OBSERVER_STATIC_MINMAX},
+      {"static", v1::OBSERVER_STATIC_MINMAX},
+      {"OBSERVER_STATIC_MINMAX", v1::OBSERVER_STATIC_MINMAX},
+      {"minmax", v1::OBSERVER_MINMAX_EMA},
+      {"minmax-ema", v1::OBSERVER_MINMAX_EMA},
+      {"minmax_ema", v1::OBSERVER_MINMAX_EMA},
+      {"ema", v1::OBSERVER_MINMAX_EMA},
+      {"memoryless_minmax", v1::OBSERVER_MEMORYLESS_MINMAX},
+      {"Memoryless", v1::OBSERVER_MEMORYLESS_MINMAX},
+      {"MSE", v1::OBSERVER_MSE},
+  };
+  for (const auto& [spelling, want] : observers) {
+    absl::StatusOr<v1::Observer> got = ParseObserver(spelling);
+    ASSERT_TRUE(got.ok()) << spelling << ": " << got.status();
+    EXPECT_EQ(*got, want) << spelling;
+  }
+  EXPECT_EQ(*ParseGranularity("attn_head"), v1::GRANULARITY_PER_HEAD);
+  EXPECT_EQ(*ParseGranularity("per-tensor"), v1::GRANULARITY_PER_TENSOR);
+  EXPECT_EQ(*ParseFormat("float8_e4m3fn"), v1::FORMAT_FP8_E4M3FN);
+  EXPECT_EQ(*ParseFormat("fp8"), v1::FORMAT_FP8_E4M3FN);
+  EXPECT_EQ(*ParseFormat("e5m2"), v1::FORMAT_FP8_E5M2);
+  EXPECT_EQ(*ParseRole("K"), v1::ROLE_K);
+}
+
+// The table itself: every value but UNSPECIFIED has a canonical name, what
+// FinalizeToFile records parses back to the value, and no spelling names
+// two values (which would make parsing depend on declaration order).
+TEST(CliNamesTest, TableIsCompleteAndUnambiguous) {
+  for (const google::protobuf::EnumDescriptor* type :
+       {v1::Observer_descriptor(), v1::Granularity_descriptor(),
+        v1::Format_descriptor(), v1::Role_descriptor(),
+        v1::DType_descriptor()}) {
+    std::map<std::string, int> owner;
+    for (int i = 0; i < type->value_count(); ++i) {
+      const google::protobuf::EnumValueDescriptor* value = type->value(i);
+      if (value->number() == 0) continue;
+      const auto& options = value->options();
+      EXPECT_FALSE(options.GetExtension(v1::canonical_name).empty())
+          << value->full_name() << " has no canonical name";
+      std::vector<std::string> spellings = {
+          options.GetExtension(v1::canonical_name),
+          options.GetExtension(v1::cli_name), value->name()};
+      for (int a = 0; a < options.ExtensionSize(v1::alias); ++a) {
+        spellings.push_back(options.GetExtension(v1::alias, a));
+      }
+      for (std::string s : spellings) {
+        if (s.empty()) continue;
+        for (char& c : s) c = c == '-' ? '_' : static_cast<char>(tolower(c));
+        auto [it, inserted] = owner.emplace(s, value->number());
+        EXPECT_TRUE(inserted || it->second == value->number())
+            << "'" << s << "' names two values of " << type->full_name();
+      }
+      for (const std::string& s : {CanonicalName(type, value->number()),
+                                   CliName(type, value->number())}) {
+        absl::StatusOr<int> back = ParseName(type, "value", s);
+        ASSERT_TRUE(back.ok()) << s << ": " << back.status();
+        EXPECT_EQ(*back, value->number()) << s;
+      }
+    }
+  }
+  // The engine's own labels in its messages are spellings of the table too.
+  for (Role role : kAllRoles) {
+    EXPECT_EQ(static_cast<int>(*ParseRole(RoleName(role))),
+              static_cast<int>(role));
+  }
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBf16}) {
+    absl::StatusOr<int> back =
+        ParseName(v1::DType_descriptor(), "dtype", DTypeName(dtype));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, static_cast<int>(dtype));
+  }
 }
 
 }  // namespace

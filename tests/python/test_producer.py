@@ -90,12 +90,18 @@ def test_tokens_heads_dim_layout_and_head_offset(worker):
     np.testing.assert_allclose(scales["model.layers.0.self_attn.k_scale"].reshape(-1), want, rtol=1e-7)
 
 
-def test_new_producer_continues_after_the_watermark(worker):
+def test_a_producer_name_with_chunks_needs_resume(worker):
+    """docs/producers.md: a second producer under a name that already has
+    chunks is refused (as the C++ Uploader refuses without --resume); with
+    resume=True it continues after the watermark."""
     client = kvcal.Client(worker.target)
     client.create_session(geometry=GEOMETRY)
     data = make_batches(3, nbatches=2)
     push(client, data[:1], producer_id="rank0")
-    second = push(client, data[1:], producer_id="rank0")  # starts at watermark + 1
+    with pytest.raises(ValueError, match="producer rank0 already has 6 chunks applied"):
+        kvcal.Producer(client, producer_id="rank0")
+    assert client.status().chunks_applied == 6  # the refusal changed nothing
+    second = push(client, data[1:], producer_id="rank0", resume=True)  # starts at watermark + 1
     assert second.last_sequence == 12
     assert client.status().chunks_applied == 12
     client.delete()

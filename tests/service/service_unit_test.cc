@@ -20,6 +20,7 @@
 #include "service/proto_convert.h"
 #include "service/session_registry.h"
 #include "service/worker.h"
+#include "util/status_macros.h"
 
 namespace kvcal::service {
 namespace {
@@ -75,6 +76,90 @@ TEST(SessionRegistryTest, LimitsAreResourceExhausted) {
             absl::StatusCode::kResourceExhausted);
   ASSERT_TRUE(small.Delete("t", "a").ok());
   EXPECT_TRUE(small.Create("t", "b", g).ok()) << "deleting frees the budget";
+}
+
+// Building a session (backend allocation, a snapshot's statistics) happens
+// without the registry's lock: while a large ImportState is being built,
+// other sessions' ingest, Get and CreateSession go on. The import is held
+// inside the build by the test seam until the rest has finished, so a
+// registry that still held its lock there would deadlock this test (it then
+// fails on the 60 s guard below instead of hanging).
+TEST(SessionRegistryTest, ImportBuildsOutsideTheRegistryLock) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool building = false;
+  bool release = false;
+  RegistryOptions options;
+  options.session.backend = BackendKind::kCpu;
+  options.on_build = [&](absl::string_view id) {
+    if (id != "big") return;
+    std::unique_lock<std::mutex> lock(mu);
+    building = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return release; });
+  };
+  SessionRegistry registry(options);
+  const Geometry g{2, 4, 2, 8, 0, 0b111};
+  auto flowing = registry.Create("t", "flowing", g);
+  ASSERT_TRUE(flowing.ok()) << flowing.status();
+  const Geometry big_geometry{32, 32, 8, 128, 64, 0b111};
+  RegistryOptions source_options;
+  source_options.session.backend = BackendKind::kCpu;
+  SessionRegistry source(source_options);
+  auto big = source.Create("t", "big", big_geometry);
+  ASSERT_TRUE(big.ok()) << big.status();
+  auto snapshot = (*big)->Export();
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+
+  auto import = std::async(std::launch::async, [&] {
+    return registry.Import("t", "big", *snapshot, "import-1").status();
+  });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return building; });
+  }
+  auto others = std::async(std::launch::async, [&]() -> absl::Status {
+    std::vector<float> values(4 * 2 * 8, 1.5f);
+    ChunkView chunk;
+    chunk.layer = 1;
+    chunk.role = Role::kK;
+    chunk.dtype = DType::kF32;
+    chunk.layout = Layout::kTokensHeadsDim;
+    chunk.shape = {4, 2, 8};
+    chunk.data = absl::Span<const std::byte>(
+        reinterpret_cast<const std::byte*>(values.data()),
+        values.size() * sizeof(float));
+    for (uint64_t seq = 1; seq <= 3; ++seq) {
+      KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
+                             registry.Get("t", "flowing"));
+      KVCAL_ASSIGN_OR_RETURN(IngestOutcome outcome, s->Ingest("p", seq, chunk));
+      if (!outcome.applied) return absl::InternalError("chunk not applied");
+    }
+    KVCAL_RETURN_IF_ERROR(registry.Create("u", "other-tenant", g).status());
+    // The session being built is not there yet, and not half there.
+    if (registry.Get("t", "big").status().code() !=
+        absl::StatusCode::kNotFound) {
+      return absl::InternalError("a session under construction is visible");
+    }
+    return absl::OkStatus();
+  });
+  const bool done =
+      others.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  ASSERT_TRUE(done) << "ingest stalled behind the import's build";
+  EXPECT_TRUE(others.get().ok());
+  ASSERT_TRUE(import.get().ok());
+  auto imported = registry.Get("t", "big");
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_EQ((*imported)->geometry(), big_geometry);
+  EXPECT_EQ(registry.size(), 3u);
+  EXPECT_EQ(registry.state_bytes(),
+            EstimateStateBytes(g) * 2 + EstimateStateBytes(big_geometry))
+      << "the reservation is replaced by the session's own bytes";
 }
 
 TEST(SessionRegistryTest, TenantsAreIsolatedAndLimitedSeparately) {

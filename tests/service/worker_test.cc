@@ -17,6 +17,7 @@
 #include "kernels/backend.h"
 #include "kernels/scale_math.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
+#include "proto/names.h"
 #include "tests/service/rpc_helpers.h"
 #include "tests/service/worker_process.h"
 #include "tests/test_certs.h"
@@ -543,7 +544,7 @@ TEST_F(WorkerTest, FinalizeMatchesTheEngineScaleMath) {
     absl::StatusOr<ScaleResult> expected = ComputeScales(local, options);
     ASSERT_TRUE(expected.ok());
     ExpectScalesEqual(*response, *expected,
-                      std::string(ObserverName(options.observer)));
+                      CanonicalName(static_cast<pb::Observer>(v.observer)));
   }
   // Per head q_per_kv_group gives one Q scale per KV head.
   pb::FinalizeRequest grouped;
@@ -645,11 +646,16 @@ TEST_F(WorkerTest, ConcurrentStreamsEqualOneStream) {
     request.set_observer(pb::OBSERVER_MINMAX_EMA);
     auto got = Finalize(request);
     ASSERT_TRUE(got.ok());
+    // The echoed request names this session; everything else must match.
+    ASSERT_EQ(got->resolved().session_id(), id);
+    got->mutable_resolved()->set_session_id(reference->resolved().session_id());
     EXPECT_EQ(got->SerializeAsString(), reference->SerializeAsString())
         << streams << " streams";
     request.set_observer(pb::OBSERVER_PERCENTILE);
     auto got_pct = Finalize(request);
     ASSERT_TRUE(got_pct.ok());
+    got_pct->mutable_resolved()->set_session_id(
+        reference_pct->resolved().session_id());
     EXPECT_EQ(got_pct->SerializeAsString(), reference_pct->SerializeAsString());
     EXPECT_EQ(Get(id).chunks_applied(), workload.size());
   }

@@ -24,32 +24,44 @@ from kvcal.scales import Scales
 from kvcal.sharding import expand_endpoints, layer_owner, layer_owners
 from kvcal.v1 import pb, pb_grpc
 
+
+def _names(enum_name: str) -> Dict[str, int]:
+    """Canonical name -> wire number for one enum, from the one names table:
+    the (canonical_name) options in proto/kvcal/v1/calibration.proto, which
+    the C++ CLI and the worker read too (proto/names.h)."""
+    enum = pb.DESCRIPTOR.enum_types_by_name[enum_name]
+    return {_canonical(v): v.number for v in enum.values if v.number != 0}
+
+
+def _canonical(value) -> str:
+    options = value.GetOptions()
+    return options.Extensions[pb.canonical_name] or value.name
+
+
+def _spellings(enum_name: str) -> Dict[str, str]:
+    """Every accepted spelling (normalised: lower case, '_' for '-') ->
+    canonical name: canonical, CLI name, aliases and the proto value name."""
+    out: Dict[str, str] = {}
+    for v in pb.DESCRIPTOR.enum_types_by_name[enum_name].values:
+        if v.number == 0:
+            continue
+        options = v.GetOptions()
+        names = [_canonical(v), options.Extensions[pb.cli_name], v.name,
+                 *options.Extensions[pb.alias]]
+        for n in names:
+            if n:
+                out[n.lower().replace("-", "_")] = _canonical(v)
+    return out
+
+
 # llm-compressor's observer names (what the scales file and config.json
-# record), and the aliases accepted for them.
-OBSERVERS = {
-    "static_minmax": pb.OBSERVER_STATIC_MINMAX,
-    "minmax": pb.OBSERVER_MINMAX_EMA,
-    "memoryless_minmax": pb.OBSERVER_MEMORYLESS_MINMAX,
-    "mse": pb.OBSERVER_MSE,
-    "percentile": pb.OBSERVER_PERCENTILE,
-}
-_OBSERVER_ALIASES = {
-    "static": "static_minmax",
-    "ema": "minmax",
-    "minmax_ema": "minmax",
-    "memoryless": "memoryless_minmax",
-}
-GRANULARITIES = {"tensor": pb.GRANULARITY_PER_TENSOR, "head": pb.GRANULARITY_PER_HEAD}
-_GRANULARITY_ALIASES = {"per_tensor": "tensor", "per_head": "head", "attn_head": "head"}
-FORMATS = {
-    "float8_e4m3fn": pb.FORMAT_FP8_E4M3FN,
-    "float8_e4m3fnuz": pb.FORMAT_FP8_E4M3FNUZ,
-    "float8_e5m2": pb.FORMAT_FP8_E5M2,
-    "int8": pb.FORMAT_INT8,
-}
-_FORMAT_ALIASES = {"fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "fp8_e4m3fn": "float8_e4m3fn",
-                   "e4m3fnuz": "float8_e4m3fnuz", "fp8_e4m3fnuz": "float8_e4m3fnuz",
-                   "e5m2": "float8_e5m2", "fp8_e5m2": "float8_e5m2"}
+# record) and the other names of each value, all from the proto's table.
+OBSERVERS = _names("Observer")
+GRANULARITIES = _names("Granularity")
+FORMATS = _names("Format")
+_OBSERVER_ALIASES = _spellings("Observer")
+_GRANULARITY_ALIASES = _spellings("Granularity")
+_FORMAT_ALIASES = _spellings("Format")
 
 # The CLI and the Python client default to 64 bins per octave (CONTRACT.md).
 DEFAULT_HISTOGRAMS = 64
@@ -102,7 +114,7 @@ class Geometry:
 
 def _resolve(name: str, table: Mapping[str, int], aliases: Mapping[str, str], what: str) -> str:
     key = str(name).lower().replace("-", "_")  # the CLI spells them with hyphens
-    key = aliases.get(key, key)
+    key = aliases.get(key, key)  # every spelling -> the canonical name
     if key not in table:
         raise ValueError(f"kvcal: unknown {what} {name!r} (one of {', '.join(table)})")
     return key
@@ -452,8 +464,14 @@ class Client:
             del part.layers[:]
             part.layers.extend(mine)
             part.shard_worker_ids.extend(self.worker_ids)
-            total.layers.extend(w._call(f"Finalize on {w.worker_id} ({w.target})",
-                                        w._stub.Finalize, part).layers)
+            response = w._call(f"Finalize on {w.worker_id} ({w.target})",
+                               w._stub.Finalize, part)
+            total.layers.extend(response.layers)
+            if not total.HasField("resolved") and response.HasField("resolved"):
+                # Every worker resolves the same options; the layers are the caller's.
+                total.resolved.CopyFrom(response.resolved)
+                del total.resolved.layers[:]
+                total.resolved.layers.extend(request.layers)
         total.layers.sort(key=lambda l: l.layer)
         return total
 
@@ -485,16 +503,21 @@ class Client:
                 values = np.asarray(role.scale, dtype=np.float32)
                 shape = (len(values), 1, 1) if granularity == "head" else (1,)
                 tensors[f"model.layers.{layer.layer}.self_attn.{role_name}_scale"] = values.reshape(shape)
+        # The worker echoes the request with its defaults resolved.
+        if not response.HasField("resolved"):
+            raise RuntimeError("kvcal: Finalize: the worker did not report the options it "
+                               "used (FinalizeResponse.resolved); upgrade the worker")
+        used = response.resolved
         options = {
-            "averaging_constant": request.averaging_constant or 0.01,
-            "percentile": request.percentile or 99.99,
-            "margin": request.margin or 1.0,
-            "mse_grid": request.mse_grid or 100,
-            "mse_max_shrink": request.mse_max_shrink or 0.2,
-            "mse_norm": request.mse_norm or 2.4,
-            "mse_patience": request.mse_patience or 5,
-            "q_per_kv_group": request.q_per_kv_group,
-            "allow_missing": request.allow_missing,
+            "averaging_constant": used.averaging_constant,
+            "percentile": used.percentile,
+            "margin": used.margin,
+            "mse_grid": used.mse_grid,
+            "mse_max_shrink": used.mse_max_shrink,
+            "mse_norm": used.mse_norm,
+            "mse_patience": used.mse_patience,
+            "q_per_kv_group": used.q_per_kv_group,
+            "allow_missing": used.allow_missing,
         }
         scales = Scales(tensors, granularity=granularity, observer=observer, fmt=fmt,
                         metadata={"session": sid, "observer_options": json.dumps(options),

@@ -49,19 +49,29 @@ from typing import Any, Deque, List, Optional, Tuple
 import grpc
 import numpy as np
 
-from kvcal.client import Client, KvcalError
+from kvcal.client import Client, KvcalError, _names, _spellings
 from kvcal.v1 import pb
 
 log = logging.getLogger("kvcal")
 
-_ROLES = {"q": pb.ROLE_Q, "k": pb.ROLE_K, "v": pb.ROLE_V,
-          pb.ROLE_Q: pb.ROLE_Q, pb.ROLE_K: pb.ROLE_K, pb.ROLE_V: pb.ROLE_V}
-_LAYOUTS = {"heads_tokens_dim": pb.LAYOUT_HEADS_TOKENS_DIM, "hf": pb.LAYOUT_HEADS_TOKENS_DIM,
-            "tokens_heads_dim": pb.LAYOUT_TOKENS_HEADS_DIM, "vllm": pb.LAYOUT_TOKENS_HEADS_DIM,
-            pb.LAYOUT_HEADS_TOKENS_DIM: pb.LAYOUT_HEADS_TOKENS_DIM,
-            pb.LAYOUT_TOKENS_HEADS_DIM: pb.LAYOUT_TOKENS_HEADS_DIM}
-# Codes after which the stream is re-established and resent from the
-# watermark; anything else is an error in the data or the session.
+
+
+def _table(enum_name: str):
+    """Every spelling of the enum's values (the proto's names table) and the
+    wire numbers themselves -> wire number."""
+    numbers = _names(enum_name)
+    table = {spelling: numbers[name] for spelling, name in _spellings(enum_name).items()}
+    table.update({n: n for n in numbers.values()})
+    return table
+
+
+_ROLES = _table("Role")
+_LAYOUTS = _table("Layout")
+# The protocol the C++ Uploader follows too (docs/producers.md): chunks in
+# flight without an acknowledgement, and the codes after which the stream is
+# re-established and resent from the watermark; anything else is an error
+# in the data or the session.
+DEFAULT_WINDOW = 16
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNKNOWN}
@@ -218,8 +228,9 @@ class Producer:
 
     def __init__(self, client: Client, session_id: Optional[str] = None, producer_id: str = "",
                  *, chunk_bytes: int = 4 << 20, max_pending_chunks: int = 1024,
-                 max_pending_bytes: int = 512 << 20, window: int = 64,
+                 max_pending_bytes: int = 512 << 20, window: int = DEFAULT_WINDOW,
                  keep_until_durable: Optional[bool] = None, start_sequence: Optional[int] = None,
+                 resume: bool = False,
                  reconnect_timeout: float = 120.0, durable_timeout: float = 120.0):
         self.client = client
         self.session_id = session_id or client._session(None)
@@ -251,8 +262,16 @@ class Producer:
         self.geometry = None  # the session's, read from the worker below
 
         watermark = self._server_watermark()  # also reads the geometry
+        applied = watermark[0] if watermark else 0
         if start_sequence is None:
-            start_sequence = (watermark[0] if watermark else 0) + 1
+            # docs/producers.md: a producer name that already has chunks is
+            # refused unless the caller says it resumes (as the C++ Uploader).
+            if applied > 0 and not resume:
+                raise ValueError(
+                    f"kvcal: session {self.session_id}, producer {self.producer_id} already has "
+                    f"{applied} chunks applied; use a new producer_id, or resume=True to "
+                    f"continue after chunk {applied}")
+            start_sequence = applied + 1
         self._next_sequence = int(start_sequence)
         self._acked = self._durable = self._next_sequence - 1
         self._thread = threading.Thread(target=self._run, name=f"kvcal-producer-{self.producer_id}",
@@ -283,8 +302,12 @@ class Producer:
         tokens_heads_dim (alias vllm): [..., heads, head_dim]. The tensor
         carries heads [head_offset, head_offset + heads) of the role.
         """
+        if isinstance(role, str):
+            role = role.lower()
         if role not in _ROLES:
             raise ValueError(f"kvcal: role {role!r} is not q, k or v")
+        if isinstance(layout, str):
+            layout = layout.lower().replace("-", "_")
         if layout not in _LAYOUTS:
             raise ValueError(f"kvcal: layout {layout!r} is not heads_tokens_dim or tokens_heads_dim")
         layout = _LAYOUTS[layout]

@@ -9,8 +9,8 @@
 //     KVCAL_RETURN_IF_ERROR(Check(count));
 //     return absl::OkStatus();
 //   }
-#ifndef KVCAL_KERNELS_STATUS_MACROS_H_
-#define KVCAL_KERNELS_STATUS_MACROS_H_
+#ifndef KVCAL_UTIL_STATUS_MACROS_H_
+#define KVCAL_UTIL_STATUS_MACROS_H_
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -19,10 +19,10 @@
 #define KVCAL_STATUS_CONCAT_(a, b) KVCAL_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` yields a non-OK status.
-#define KVCAL_RETURN_IF_ERROR(expr)                         \
-  do {                                                      \
-    ::absl::Status kvcal_status_ = (expr);                  \
-    if (!kvcal_status_.ok()) return kvcal_status_;          \
+#define KVCAL_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::absl::Status kvcal_status_ = (expr);         \
+    if (!kvcal_status_.ok()) return kvcal_status_; \
   } while (false)
 
 // Evaluates `rexpr` (an absl::StatusOr<T>); on error returns its status,
@@ -36,4 +36,4 @@
   if (!statusor.ok()) return std::move(statusor).status(); \
   lhs = std::move(statusor).value()
 
-#endif  // KVCAL_KERNELS_STATUS_MACROS_H_
+#endif  // KVCAL_UTIL_STATUS_MACROS_H_

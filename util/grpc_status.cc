@@ -1,8 +1,10 @@
-#include "service/grpc_status.h"
+#include "util/grpc_status.h"
 
 #include <string>
 
-namespace kvcal::service {
+#include "absl/strings/str_cat.h"
+
+namespace kvcal {
 
 #define KVCAL_SAME_CODE(absl_code, grpc_code)                      \
   static_assert(static_cast<int>(absl::StatusCode::absl_code) ==   \
@@ -33,10 +35,12 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
                       std::string(status.message()));
 }
 
-absl::Status FromGrpcStatus(const grpc::Status& status) {
+absl::Status ToAbslStatus(const grpc::Status& status, absl::string_view what) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
+                      what.empty()
+                          ? status.error_message()
+                          : absl::StrCat(what, ": ", status.error_message()));
 }
 
-}  // namespace kvcal::service
+}  // namespace kvcal
