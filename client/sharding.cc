@@ -2,13 +2,6 @@
 
 namespace kvcal {
 
-uint64_t SplitMix64(uint64_t seed) {
-  uint64_t z = seed + 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 uint64_t RendezvousScore(absl::string_view session_id, uint32_t layer,
                          absl::string_view worker_id) {
   std::string key(session_id);

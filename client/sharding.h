@@ -20,13 +20,9 @@
 
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/statistics.h"  // Fnv1a64, the one FNV-1a 64 of the tree
+#include "util/hash.h"  // Fnv1a64, SplitMix64
 
 namespace kvcal {
-
-// The first output of SplitMix64 seeded with `seed`: z = seed +
-// 0x9e3779b97f4a7c15, then the xor-shift-multiply finalizer.
-uint64_t SplitMix64(uint64_t seed);
 
 // SplitMix64(Fnv1a64(session ++ 0x00 ++ le32(layer) ++ worker_id)).
 uint64_t RendezvousScore(absl::string_view session_id, uint32_t layer,

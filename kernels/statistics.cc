@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/element_math.h"
+#include "util/hash.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
@@ -115,15 +116,6 @@ uint64_t SessionStatistics::nonfinite_values() const {
   uint64_t n = 0;
   for (const HeadStatistics& h : heads_) n += h.nonfinite_count();
   return n;
-}
-
-uint64_t Fnv1a64(absl::string_view bytes) {
-  uint64_t hash = 0xcbf29ce484222325ull;
-  for (char c : bytes) {
-    hash ^= static_cast<uint8_t>(c);
-    hash *= 0x100000001b3ull;
-  }
-  return hash;
 }
 
 namespace {

@@ -7,7 +7,8 @@
 //   stats.head(/*layer=*/0, kvcal::Role::kK, /*head=*/3).Add(0.5f, batch);
 //   KVCAL_RETURN_IF_ERROR(stats.Merge(other));
 //   std::string bytes = stats.Serialize();
-//   KVCAL_ASSIGN_OR_RETURN(auto copy, kvcal::SessionStatistics::Deserialize(bytes));
+//   KVCAL_ASSIGN_OR_RETURN(auto copy,
+//   kvcal::SessionStatistics::Deserialize(bytes));
 //
 // All statistics are order-independent: min, max, counts, histograms, tails
 // and batch extrema exactly; the double sums up to rounding. So merging the
@@ -34,11 +35,11 @@
 #include <limits>
 #include <map>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/types.h"
 
 namespace kvcal {
@@ -130,9 +131,6 @@ class SessionStatistics {
   std::array<size_t, 3> role_offset_ = {0, 0, 0};
   std::vector<HeadStatistics> heads_;
 };
-
-// FNV-1a 64-bit, used as the serialized state's checksum.
-uint64_t Fnv1a64(absl::string_view bytes);
 
 }  // namespace kvcal
 

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/statistics.h"
 #include "util/file_io.h"
+#include "util/hash.h"
 
 namespace kvcal::service {
 namespace {
