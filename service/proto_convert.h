@@ -23,6 +23,14 @@ ChunkView ChunkFromProto(const kvcal::v1::IngestRequest& request);
 absl::StatusOr<ScaleOptions> ScaleOptionsFromProto(
     const kvcal::v1::FinalizeRequest& request);
 
+// ScaleOptionsFromProto plus evaluate / kv-only / OBSERVER_AUTO and its
+// flags. With OBSERVER_AUTO, `scale.observer` is left at the default.
+absl::StatusOr<EvaluatedFinalizeOptions> EvaluatedFinalizeOptionsFromProto(
+    const kvcal::v1::FinalizeRequest& request);
+// Scales (ScaleResultToProto), evaluation and candidates.
+void EvaluatedFinalizeToProto(const EvaluatedFinalize& result,
+                              kvcal::v1::FinalizeResponse* out);
+
 ShardMap ShardMapFromProto(const kvcal::v1::ShardMap& map);
 void ShardMapToProto(const ShardMap& map, kvcal::v1::ShardMap* out);
 

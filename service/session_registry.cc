@@ -88,7 +88,7 @@ void SessionRegistry::Add(const std::shared_ptr<Session>& session) {
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
     absl::string_view tenant, absl::string_view id, const Geometry& geometry,
-    const ShardMap& shard_map) {
+    const ShardMap& shard_map, uint64_t holdout_budget_bytes) {
   KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/true));
   KVCAL_RETURN_IF_ERROR(geometry.Validate());
   KVCAL_RETURN_IF_ERROR(ValidateShardMap(shard_map, geometry.num_layers));
@@ -108,9 +108,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   }
   KVCAL_RETURN_IF_ERROR(CheckLimits(tenant, geometry));
   std::string new_id = id.empty() ? NewSessionId(tenant) : std::string(id);
+  SessionOptions session_options = options_.session;
+  session_options.holdout_budget_bytes = holdout_budget_bytes;
   KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                          Session::Create(std::move(new_id), std::string(tenant),
-                                         geometry, options_.session));
+                                         geometry, session_options));
   KVCAL_RETURN_IF_ERROR(session->AdoptShardMap(shard_map));
   Add(session);
   return session;

@@ -334,11 +334,13 @@ class Client:
     # -- sessions ------------------------------------------------------------
     def create_session(self, config: Any = None, *, geometry: Union[Geometry, Mapping, None] = None,
                        histograms: int = DEFAULT_HISTOGRAMS, session_id: str = "",
-                       roles: Iterable[str] = ()) -> pb.Session:
+                       roles: Iterable[str] = (), holdout_budget_bytes: int = 0) -> pb.Session:
         """Creates a session (or returns the identical existing one) and makes
         it this client's session. Geometry from `config` (transformers config,
         config.json dict or path) or `geometry` (Geometry or a dict with
-        num_layers, num_attention_heads, num_key_value_heads, head_dim)."""
+        num_layers, num_attention_heads, num_key_value_heads, head_dim).
+        holdout_budget_bytes: bytes of held-out data the worker keeps (0 = its
+        default, 64 MiB)."""
         if geometry is None:
             if config is None:
                 raise ValueError("kvcal: create_session needs a config or a geometry")
@@ -350,7 +352,8 @@ class Client:
             session_id=session_id, num_layers=geometry.num_layers,
             num_attention_heads=geometry.num_attention_heads,
             num_key_value_heads=geometry.num_key_value_heads, head_dim=geometry.head_dim,
-            histogram_bins_per_octave=histograms, roles=role_values)
+            histogram_bins_per_octave=histograms, roles=role_values,
+            holdout_budget_bytes=int(holdout_budget_bytes))
         if self.workers is not None:
             if not request.session_id:  # the map depends on the id: the first worker picks it
                 request.session_id = self.workers[0]._call(
