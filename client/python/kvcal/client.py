@@ -32,6 +32,8 @@ OBSERVERS = {
     "memoryless_minmax": pb.OBSERVER_MEMORYLESS_MINMAX,
     "mse": pb.OBSERVER_MSE,
     "percentile": pb.OBSERVER_PERCENTILE,
+    # Finalize only: every observer judged on the held-out batches.
+    "auto": pb.OBSERVER_AUTO,
 }
 _OBSERVER_ALIASES = {
     "static": "static_minmax",
@@ -468,10 +470,13 @@ class Client:
         of shape [1] (per tensor) or [heads, 1, 1] (per head), or to torch
         tensors with as_torch=True.
 
-        observer: static_minmax | minmax (EMA) | memoryless_minmax | mse | percentile.
+        observer: static_minmax | minmax (EMA) | memoryless_minmax | mse | percentile |
+        auto (every observer judged on the held-out batches; finalize_response()
+        returns the evaluation that justifies the choice).
         granularity: tensor | head.  fmt: float8_e4m3fn | float8_e4m3fnuz | float8_e5m2 | int8.
         params: averaging_constant, percentile, margin, mse_grid, mse_max_shrink,
-        mse_norm, mse_patience, q_per_kv_group, allow_missing, layers.
+        mse_norm, mse_patience, q_per_kv_group, allow_missing, layers, evaluate,
+        evaluate_kv_only, auto_per_session, auto_granularities.
         """
         sid = self._session(session_id)
         request, observer, granularity, fmt = self._finalize_request(
@@ -511,7 +516,9 @@ class Client:
                           margin: float = 0.0, mse_grid: int = 0, mse_max_shrink: float = 0.0,
                           mse_norm: float = 0.0, mse_patience: int = 0,
                           q_per_kv_group: bool = False, allow_missing: bool = False,
-                          layers: Iterable[int] = ()):
+                          layers: Iterable[int] = (), evaluate: bool = False,
+                          evaluate_kv_only: bool = False, auto_per_session: bool = False,
+                          auto_granularities: Iterable[str] = ()):
         observer = _resolve(observer, OBSERVERS, _OBSERVER_ALIASES, "observer")
         granularity = _resolve(granularity, GRANULARITIES, _GRANULARITY_ALIASES, "granularity")
         fmt = _resolve(fmt, FORMATS, _FORMAT_ALIASES, "format")
@@ -521,5 +528,9 @@ class Client:
             averaging_constant=averaging_constant, percentile=percentile, margin=margin,
             mse_grid=mse_grid, mse_max_shrink=mse_max_shrink, mse_norm=mse_norm,
             mse_patience=mse_patience, q_per_kv_group=q_per_kv_group,
-            allow_missing=allow_missing, layers=list(layers))
+            allow_missing=allow_missing, layers=list(layers), evaluate=evaluate,
+            evaluate_kv_only=evaluate_kv_only, auto_per_session=auto_per_session,
+            auto_granularities=[GRANULARITIES[_resolve(g, GRANULARITIES, _GRANULARITY_ALIASES,
+                                                       "granularity")]
+                                for g in auto_granularities])
         return request, observer, granularity, fmt
