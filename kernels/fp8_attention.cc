@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/fp8_math.h"
+#include "kernels/status_macros.h"
 
 namespace kvcal {
 namespace {
@@ -17,7 +18,8 @@ namespace {
 void CausalHeadAttention(const float* q, size_t q_stride, const float* k,
                          const float* v, size_t kv_stride, uint32_t tokens,
                          uint32_t head_dim, float softmax_scale,
-                         std::vector<float>& scores, float* out) {
+                         bool quantize_probs, std::vector<float>& scores,
+                         float* out) {
   for (uint32_t t = 0; t < tokens; ++t) {
     const float* qt = q + t * q_stride;
     float max_score = -std::numeric_limits<float>::infinity();
@@ -36,7 +38,10 @@ void CausalHeadAttention(const float* q, size_t q_stride, const float* k,
     float* ot = out + static_cast<size_t>(t) * head_dim;
     std::fill(ot, ot + head_dim, 0.0f);
     for (uint32_t j = 0; j <= t; ++j) {
-      const float p = scores[j] / denominator;
+      float p = scores[j] / denominator;
+      if (quantize_probs) {
+        p = Fp8E4m3fnRound(p * kFp8E4m3fnMax) / kFp8E4m3fnMax;
+      }
       const float* vj = v + j * kv_stride;
       for (uint32_t i = 0; i < head_dim; ++i) ot[i] += p * vj[i];
     }
@@ -240,6 +245,66 @@ absl::Status AccumulateFp8AttentionError(const AttentionInputs& in,
   sums->sequences += 1;
   sums->tokens += in.tokens;
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> Fp8AttentionOutput(
+    const AttentionInputs& in, const HeadScales& scales,
+    const Fp8AttentionOptions& options) {
+  // Validates exactly as the error sums do (on scratch sums of one token's
+  // worth of work: the checks come before any arithmetic).
+  Fp8AttentionErrorSums scratch(in.num_attention_heads, in.num_key_value_heads);
+  AttentionInputs empty = in;
+  empty.tokens = 0;
+  empty.q = {};
+  empty.k = {};
+  empty.v = {};
+  KVCAL_RETURN_IF_ERROR(
+      AccumulateFp8AttentionError(empty, scales, options, &scratch));
+  const size_t q_size =
+      size_t{in.tokens} * in.num_attention_heads * in.head_dim;
+  const size_t kv_size =
+      size_t{in.tokens} * in.num_key_value_heads * in.head_dim;
+  if (in.q.size() != q_size || in.k.size() != kv_size ||
+      in.v.size() != kv_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention inputs of ", in.tokens, " tokens need q ",
+                     q_size, " and k, v ", kv_size, " values; got q ",
+                     in.q.size(), ", k ", in.k.size(), ", v ", in.v.size()));
+  }
+  const uint32_t heads = in.num_attention_heads, kv = in.num_key_value_heads;
+  const float softmax_scale =
+      options.softmax_scale > 0.0f
+          ? options.softmax_scale
+          : 1.0f / std::sqrt(static_cast<float>(in.head_dim));
+  QuantizationCounts counts;
+  counts.values.assign(heads, 0);
+  counts.saturated.assign(heads, 0);
+  counts.subnormal.assign(heads, 0);
+  std::vector<float> qq, kq, vq;
+  if (options.quantize_q) {
+    QuantizeRole(in.q, heads, in.head_dim, scales.q, qq, counts);
+  }
+  QuantizeRole(in.k, kv, in.head_dim, scales.k, kq, counts);
+  QuantizeRole(in.v, kv, in.head_dim, scales.v, vq, counts);
+  const float* q_fp8 = options.quantize_q ? qq.data() : in.q.data();
+  const uint32_t group = heads / kv;
+  std::vector<float> scores(in.tokens);
+  std::vector<float> head(size_t{in.tokens} * in.head_dim);
+  std::vector<float> out(q_size);
+  for (uint32_t h = 0; h < heads; ++h) {
+    const size_t kv_col = size_t{h / group} * in.head_dim;
+    CausalHeadAttention(q_fp8 + size_t{h} * in.head_dim,
+                        size_t{heads} * in.head_dim, kq.data() + kv_col,
+                        vq.data() + kv_col, size_t{kv} * in.head_dim, in.tokens,
+                        in.head_dim, softmax_scale, options.quantize_probs,
+                        scores, head.data());
+    for (uint32_t t = 0; t < in.tokens; ++t) {
+      std::copy(head.begin() + size_t{t} * in.head_dim,
+                head.begin() + size_t{t + 1} * in.head_dim,
+                out.begin() + (size_t{t} * heads + h) * in.head_dim);
+    }
+  }
+  return out;
 }
 
 absl::StatusOr<std::vector<float>> ExpandRoleScales(

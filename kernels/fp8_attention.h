@@ -56,6 +56,11 @@ struct Fp8AttentionOptions {
   bool quantize_q = true;
   // 0 = 1/sqrt(head_dim).
   float softmax_scale = 0.0f;
+  // Also round the softmax probabilities to e4m3 before P·V, as FP8
+  // attention kernels (FlashAttention-3, cuDNN's FP8 SDPA) do: p × 448 cast
+  // to e4m3, divided by 448 (kvcal.torch.evaluate's quantize_probs rounds p
+  // itself; the worker's evaluation leaves P alone).
+  bool quantize_probs = false;
 };
 
 // Per (role, head) value counts.
@@ -98,6 +103,13 @@ absl::Status AccumulateFp8AttentionError(const AttentionInputs& inputs,
                                          const HeadScales& scales,
                                          const Fp8AttentionOptions& options,
                                          Fp8AttentionErrorSums* sums);
+
+// The FP8 run's attention output of one sequence, [tokens,
+// num_attention_heads, head_dim] float32 (what AccumulateFp8AttentionError
+// compares with the reference); the same checks.
+absl::StatusOr<std::vector<float>> Fp8AttentionOutput(
+    const AttentionInputs& inputs, const HeadScales& scales,
+    const Fp8AttentionOptions& options);
 
 // A finalized role's scales (one per tensor, per KV head or per query head)
 // as vLLM's loader applies them, one per head of the role: a single value
