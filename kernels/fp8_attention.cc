@@ -229,10 +229,12 @@ absl::Status AccumulateFp8AttentionError(const AttentionInputs& in,
     const size_t kv_col = size_t{h / group} * in.head_dim;
     CausalHeadAttention(in.q.data() + q_col, q_stride, in.k.data() + kv_col,
                         in.v.data() + kv_col, kv_stride, in.tokens, in.head_dim,
-                        softmax_scale, scores, reference.data());
+                        softmax_scale, /*quantize_probs=*/false, scores,
+                        reference.data());
     CausalHeadAttention(q_fp8 + q_col, q_stride, kq.data() + kv_col,
                         vq.data() + kv_col, kv_stride, in.tokens, in.head_dim,
-                        softmax_scale, scores, quantized.data());
+                        softmax_scale, options.quantize_probs, scores,
+                        quantized.data());
     double error = 0.0, ref = 0.0;
     for (size_t n = 0; n < reference.size(); ++n) {
       const double d = static_cast<double>(quantized[n]) - reference[n];

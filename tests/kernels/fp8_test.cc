@@ -124,6 +124,35 @@ TEST(Fp8Attention, ClippingScaleCostsMoreThanAbsmaxScale) {
   EXPECT_EQ(twice.sequences, 2u);
 }
 
+TEST(Fp8Attention, OutputIsWhatTheErrorSumsCompare) {
+  const uint32_t tokens = 9, heads = 4, kv = 2, dim = 8;
+  const std::vector<float> q = Random(tokens * heads * dim, 4, 1.0f);
+  const std::vector<float> k = Random(tokens * kv * dim, 5, 1.0f);
+  const std::vector<float> v = Random(tokens * kv * dim, 6, 1.0f);
+  const AttentionInputs in{tokens, heads, kv, dim, q, k, v};
+  const HeadScales scales{std::vector<float>(heads, 4.0f / 448),
+                          std::vector<float>(kv, 4.0f / 448),
+                          std::vector<float>(kv, 4.0f / 448)};
+  auto out = Fp8AttentionOutput(in, scales, {});
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_EQ(out->size(), q.size());
+  Fp8AttentionErrorSums sums(heads, kv);
+  ASSERT_TRUE(AccumulateFp8AttentionError(in, scales, {}, &sums).ok());
+  // Σ out² differs from Σ reference² by the FP8 error only.
+  double out_sq = 0.0;
+  for (float x : *out) out_sq += double{x} * x;
+  double ref_sq = 0.0;
+  for (double r : sums.reference_sq) ref_sq += r;
+  EXPECT_NEAR(std::sqrt(out_sq / ref_sq), 1.0, 2 * sums.RelativeError());
+  EXPECT_NE(std::sqrt(out_sq / ref_sq), 1.0);
+
+  Fp8AttentionOptions probs;
+  probs.quantize_probs = true;
+  auto rounded = Fp8AttentionOutput(in, scales, probs);
+  ASSERT_TRUE(rounded.ok());
+  EXPECT_NE(*rounded, *out);
+}
+
 TEST(Fp8Attention, RejectsBadInputs) {
   std::vector<float> q(8), k(4), v(4);
   Fp8AttentionErrorSums sums(2, 1);
