@@ -58,6 +58,8 @@ if [[ -e "${bundle}/lib/libcudnn.so.9" ]]; then
   cudnn_dir="$(dirname "$(ldd "${build}/tests/kernels/kvcal_fp8_attention_cuda_test" |
                           awk '/libcudnn\.so/ {print $3}')")"
   cp -L -n "${cudnn_dir}"/libcudnn*.so.9 "${bundle}/lib/"
+  # NVRTC loads its builtins the same way.
+  cp -L -n "${cudnn_dir}"/libnvrtc-builtins.so.* "${bundle}/lib/" 2>/dev/null || true
 fi
 
 # Every binary and library must load with glibc <= max_glibc, and nothing may
