@@ -133,3 +133,49 @@ def test_held_out_tensors_are_split_by_heads_never_by_tokens(make_worker):
     shapes = {tuple(c.shape) for c in state.holdout_chunks}
     assert shapes == {(1, 1, 5, 8)}
     assert len(state.holdout_chunks) == 2 * 2 * (4 + 2 + 2)
+
+
+def test_cli_push_holdout_batches(make_worker, kvcal_cli, tmp_path):
+    import json
+    import os
+    import subprocess
+
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(5)
+    dumps = tmp_path / "dumps"
+    os.makedirs(dumps)
+    data = {}
+    for b in range(3):
+        tensors = {}
+        for layer in range(2):
+            for role, heads in (("q", 4), ("k", 2), ("v", 2)):
+                scale = 100.0 if b == 2 else 1.0  # the held-out batch is larger
+                x = (rng.standard_normal((40, heads, 8)) * scale).astype(np.float32)
+                tensors[f"model.layers.{layer}.self_attn.{role}"] = x
+                data[(b, layer, role)] = x
+        save_file(tensors, str(dumps / f"batch{b:03d}.safetensors"))
+    w = make_worker()
+    client = kvcal.Client(w.target)
+    client.create_session(geometry=GEOMETRY, session_id="cli")
+
+    def push(*extra):
+        return subprocess.run([kvcal_cli, "push", "--server", w.target, "--session", "cli",
+                               "--chunk-bytes", "512", "--json", *extra, str(dumps)],
+                              capture_output=True, text=True)
+
+    r = push("--holdout-batches", "3")
+    assert r.returncode != 0 and "has only 3 batches" in r.stderr
+    assert client.status().chunks_applied == 0
+    r = push("--holdout-batches", "1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["holdout_batches"] == [2]
+    s = client.status()
+    # Held out: whole [40, heads, 8] tensors, never cut to --chunk-bytes.
+    assert s.holdout_batches == 1 and s.holdout_chunks == 6
+    state = client.export_state()
+    assert {tuple(c.shape) for c in state.holdout_chunks} == {(40, 4, 8), (40, 2, 8)}
+    got = client.finalize_response(evaluate=True)
+    want_k = max(float(np.abs(data[(b, 1, "k")]).max()) for b in range(2))
+    assert max(got.layers[1].k.absmax) == np.float32(want_k)
+    assert got.evaluation.sequences == 1 and got.evaluation.tokens == 40
