@@ -358,6 +358,10 @@ Json SessionJson(const v1::Session& s) {
           {"bytes_ingested", s.bytes_ingested()},
           {"nonfinite_values", s.nonfinite_values()},
           {"state_bytes", s.state_bytes()},
+          {"holdout_batches", s.holdout_batches()},
+          {"holdout_chunks", s.holdout_chunks()},
+          {"holdout_bytes", s.holdout_bytes()},
+          {"holdout_budget_bytes", s.holdout_budget_bytes()},
           {"producers", producers}};
 }
 

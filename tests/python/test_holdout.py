@@ -179,3 +179,26 @@ def test_cli_push_holdout_batches(make_worker, kvcal_cli, tmp_path):
     want_k = max(float(np.abs(data[(b, 1, "k")]).max()) for b in range(2))
     assert max(got.layers[1].k.absmax) == np.float32(want_k)
     assert got.evaluation.sequences == 1 and got.evaluation.tokens == 40
+
+
+def test_sharded_sessions_hold_and_evaluate_their_own_layers(make_worker):
+    workers = [make_worker(extra_args=["--worker-id", f"w{i}"]) for i in range(2)]
+    client = kvcal.Client(",".join(w.target for w in workers))
+    # A fixed id: its layers land on both workers (rendezvous hashing).
+    client.create_session(geometry=dict(GEOMETRY, num_layers=4, head_dim=16),
+                          session_id="shard-eval")
+    g = torch.Generator().manual_seed(3)
+    with kvcal.Producer(client) as producer:
+        for holdout in (False, True):
+            producer.holdout = holdout
+            producer.new_batch()
+            for layer in range(4):
+                for role, heads in (("q", 4), ("k", 2), ("v", 2)):
+                    producer.put(layer, role, torch.randn(1, heads, 6, 16, generator=g))
+    s = client.status()
+    assert s.holdout_chunks == 4 * 3 and s.holdout_batches == 1
+    per_worker = [w.status(client.session_id).holdout_chunks for w in client.workers]
+    assert 0 not in per_worker  # both workers hold some layers
+    r = client.finalize_response(evaluate=True)
+    assert [row.layer for row in r.evaluation.layers] == [0, 1, 2, 3]
+    assert all(row.error > 0 for row in r.evaluation.layers)

@@ -396,13 +396,15 @@ class Client:
         total.CopyFrom(self.check_session_workers(sid))
         del total.producers[:]
         for field in ("chunks_applied", "values_ingested", "bytes_ingested", "nonfinite_values",
-                      "state_bytes"):
+                      "state_bytes", "holdout_bytes", "holdout_chunks", "holdout_batches"):
             setattr(total, field, 0)
         for w in self.workers:
             part = w.status(sid)
             for field in ("chunks_applied", "values_ingested", "bytes_ingested",
-                          "nonfinite_values", "state_bytes"):
+                          "nonfinite_values", "state_bytes", "holdout_bytes", "holdout_chunks"):
                 setattr(total, field, getattr(total, field) + getattr(part, field))
+            # Every worker holds the same held-out batches, for its own layers.
+            total.holdout_batches = max(total.holdout_batches, part.holdout_batches)
             for p in part.producers:
                 total.producers.add(producer_id=f"{w.worker_id}/{p.producer_id}", sequence=p.sequence,
                                     durable_sequence=p.durable_sequence)
@@ -457,9 +459,26 @@ class Client:
             del part.layers[:]
             part.layers.extend(mine)
             part.shard_worker_ids.extend(self.worker_ids)
-            total.layers.extend(w._call(f"Finalize on {w.worker_id} ({w.target})",
-                                        w._stub.Finalize, part).layers)
+            response = w._call(f"Finalize on {w.worker_id} ({w.target})", w._stub.Finalize, part)
+            total.layers.extend(response.layers)
+            # evaluate / observer auto: each worker judged its own layers. Layer
+            # rows are concatenated; session totals are the first worker's (as
+            # the C++ client does).
+            if response.HasField("evaluation"):
+                if not total.HasField("evaluation"):
+                    total.evaluation.CopyFrom(response.evaluation)
+                else:
+                    total.evaluation.layers.extend(response.evaluation.layers)
+            if not total.candidates:
+                total.candidates.extend(response.candidates)
+            else:
+                for mine, theirs in zip(total.candidates, response.candidates):
+                    mine.layers.extend(theirs.layers)
         total.layers.sort(key=lambda l: l.layer)
+        if total.HasField("evaluation"):
+            rows = sorted(total.evaluation.layers, key=lambda l: l.layer)
+            del total.evaluation.layers[:]
+            total.evaluation.layers.extend(rows)
         return total
 
     def finalize(self, observer: str = "static_minmax", granularity: str = "tensor",
