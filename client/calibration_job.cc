@@ -61,7 +61,8 @@ absl::StatusOr<v1::Format> ParseFormat(absl::string_view name) {
 
 absl::StatusOr<v1::Session> CreateSessionFromConfig(
     CalibrationClient& client, const std::string& config_path,
-    const std::string& session_id, uint32_t bins_per_octave) {
+    const std::string& session_id, uint32_t bins_per_octave,
+    uint64_t holdout_budget_bytes) {
   KVCAL_ASSIGN_OR_RETURN(ModelGeometry g, ReadModelGeometry(config_path));
   v1::CreateSessionRequest request;
   request.set_session_id(session_id);
@@ -70,6 +71,7 @@ absl::StatusOr<v1::Session> CreateSessionFromConfig(
   request.set_num_key_value_heads(g.num_key_value_heads);
   request.set_head_dim(g.head_dim);
   request.set_histogram_bins_per_octave(bins_per_octave);
+  request.set_holdout_budget_bytes(holdout_budget_bytes);
   return client.CreateSession(request);
 }
 

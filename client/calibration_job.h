@@ -27,9 +27,12 @@ absl::StatusOr<v1::Observer> ParseObserver(absl::string_view name);
 absl::StatusOr<v1::Granularity> ParseGranularity(absl::string_view name);
 absl::StatusOr<v1::Format> ParseFormat(absl::string_view name);
 
+// `holdout_budget_bytes`: held-out data the worker may keep (0 = its
+// default, 64 MiB).
 absl::StatusOr<v1::Session> CreateSessionFromConfig(
     CalibrationClient& client, const std::string& config_path,
-    const std::string& session_id, uint32_t bins_per_octave);
+    const std::string& session_id, uint32_t bins_per_octave,
+    uint64_t holdout_budget_bytes = 0);
 
 struct PushSummary {
   UploadResult upload;

@@ -63,6 +63,7 @@ struct Args {
   size_t window = 16;
   bool resume = false;
   uint64_t holdout_batches = 0;
+  uint64_t holdout_budget_bytes = 0;
   FinalizeArgs finalize;
   std::string output;
   std::string checkpoint;
@@ -241,7 +242,8 @@ absl::StatusOr<CommandResult> RunCreate(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
   KVCAL_ASSIGN_OR_RETURN(
       v1::Session s,
-      CreateSessionFromConfig(client, a.config, a.session, a.histograms));
+      CreateSessionFromConfig(client, a.config, a.session, a.histograms,
+                              a.holdout_budget_bytes));
   if (!a.json) {
     std::cout << absl::StrFormat(
         "session %s: %u layers, %u query heads, %u KV heads, head_dim %u, "
@@ -403,6 +405,9 @@ int Main(int argc, char** argv) {
       ->add_option("--histograms", a.histograms,
                    "histogram bins per octave (power of two 1..128; 0 = none)")
       ->capture_default_str();
+  create->add_option("--holdout-budget-bytes", a.holdout_budget_bytes,
+                     "bytes of held-out batches the worker keeps for "
+                     "finalize --evaluate (0 = its default, 64 MiB)");
   json_flag(create);
 
   CLI::App* push = app.add_subcommand(

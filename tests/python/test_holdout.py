@@ -156,8 +156,15 @@ def test_cli_push_holdout_batches(make_worker, kvcal_cli, tmp_path):
                 data[(b, layer, role)] = x
         save_file(tensors, str(dumps / f"batch{b:03d}.safetensors"))
     w = make_worker()
-    client = kvcal.Client(w.target)
-    client.create_session(geometry=GEOMETRY, session_id="cli")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32}))
+    r = subprocess.run([kvcal_cli, "create", "--server", w.target, "--config", str(config),
+                        "--session", "cli", "--holdout-budget-bytes", "100000", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["holdout_budget_bytes"] == 100000
+    client = kvcal.Client(w.target, session_id="cli")
 
     def push(*extra):
         return subprocess.run([kvcal_cli, "push", "--server", w.target, "--session", "cli",
