@@ -24,11 +24,16 @@ max_glibc="2.35"
 cmake -S "${root}" -B "${build}" -G Ninja -DKVCAL_CUDA=ON \
   -DCMAKE_BUILD_TYPE=Release -DKVCAL_STATIC_RUNTIME=ON >/dev/null
 targets=(kvcal_bench_gpu kvcal_backend_cuda_test kvcal_cuda_status_test)
-ninja -C "${build}" -j "${jobs}" "${targets[@]}"
-
 binaries=("${build}/bench/gpu/kvcal_bench_gpu"
           "${build}/tests/kernels/kvcal_backend_cuda_test"
           "${build}/tests/kernels/kvcal_cuda_status_test")
+# The cuDNN FP8 attention test exists when the configure found cuDNN and the
+# cudnn-frontend headers (./run gpu-bundle installs them).
+if ninja -C "${build}" -t targets all | grep -q '^kvcal_fp8_attention_cuda_test:'; then
+  targets+=(kvcal_fp8_attention_cuda_test)
+  binaries+=("${build}/tests/kernels/kvcal_fp8_attention_cuda_test")
+fi
+ninja -C "${build}" -j "${jobs}" "${targets[@]}"
 
 rm -rf "${bundle}"
 mkdir -p "${bundle}/bin" "${bundle}/lib"
@@ -47,6 +52,15 @@ for binary in "${binaries[@]}"; do
     fi
   done
 done
+# cuDNN loads its engine libraries (libcudnn_graph, libcudnn_engines_*, ...)
+# with dlopen: ldd does not list them; bundle all of cuDNN next to libcudnn.
+if [[ -e "${bundle}/lib/libcudnn.so.9" ]]; then
+  cudnn_dir="$(dirname "$(ldd "${build}/tests/kernels/kvcal_fp8_attention_cuda_test" |
+                          awk '/libcudnn\.so/ {print $3}')")"
+  cp -L -n "${cudnn_dir}"/libcudnn*.so.9 "${bundle}/lib/"
+  # NVRTC loads its builtins the same way.
+  cp -L -n "${cudnn_dir}"/libnvrtc-builtins.so.* "${bundle}/lib/" 2>/dev/null || true
+fi
 
 # Every binary and library must load with glibc <= max_glibc, and nothing may
 # be missing.

@@ -536,6 +536,36 @@ absl::StatusOr<v1::FinalizeResponse> CalibrationClient::Finalize(
       *total.mutable_resolved() = response.resolved();
       *total.mutable_resolved()->mutable_layers() = request.layers();
     }
+    // Evaluations (evaluate / observer auto): each worker judged its own
+    // layers. Their layer rows are concatenated; the session totals are those
+    // of the first worker (each worker's own sums are not on the wire), and
+    // auto_per_session chooses per worker.
+    if (response.has_evaluation()) {
+      if (!total.has_evaluation()) {
+        *total.mutable_evaluation() = response.evaluation();
+      } else {
+        for (const v1::LayerEvaluation& l : response.evaluation().layers()) {
+          *total.mutable_evaluation()->add_layers() = l;
+        }
+      }
+    }
+    if (total.candidates_size() == 0) {
+      *total.mutable_candidates() = response.candidates();
+    } else {
+      for (int c = 0;
+           c < response.candidates_size() && c < total.candidates_size(); ++c) {
+        for (const v1::LayerEvaluation& l : response.candidates(c).layers()) {
+          *total.mutable_candidates(c)->add_layers() = l;
+        }
+      }
+    }
+  }
+  if (total.has_evaluation()) {
+    auto* rows = total.mutable_evaluation()->mutable_layers();
+    std::sort(rows->begin(), rows->end(),
+              [](const v1::LayerEvaluation& a, const v1::LayerEvaluation& b) {
+                return a.layer() < b.layer();
+              });
   }
   std::sort(total.mutable_layers()->begin(), total.mutable_layers()->end(),
             [](const v1::LayerScales& a, const v1::LayerScales& b) {

@@ -1,6 +1,7 @@
 #include "client/calibration_job.h"
 
 #include <algorithm>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -31,7 +32,8 @@ std::string Range(const google::protobuf::RepeatedField<float>& values) {
 
 absl::StatusOr<v1::Session> CreateSessionFromConfig(
     CalibrationClient& client, const std::string& config_path,
-    const std::string& session_id, uint32_t bins_per_octave) {
+    const std::string& session_id, uint32_t bins_per_octave,
+    uint64_t holdout_budget_bytes) {
   KVCAL_ASSIGN_OR_RETURN(ModelGeometry g, ReadModelGeometry(config_path));
   v1::CreateSessionRequest request;
   request.set_session_id(session_id);
@@ -40,13 +42,15 @@ absl::StatusOr<v1::Session> CreateSessionFromConfig(
   request.set_num_key_value_heads(g.num_key_value_heads);
   request.set_head_dim(g.head_dim);
   request.set_histogram_bins_per_octave(bins_per_octave);
+  request.set_holdout_budget_bytes(holdout_budget_bytes);
   return client.CreateSession(request);
 }
 
 absl::StatusOr<PushSummary> PushDump(CalibrationClient& client,
                                      const std::string& session_id,
                                      const std::string& dump_dir,
-                                     UploaderOptions options, bool progress) {
+                                     UploaderOptions options, bool progress,
+                                     uint64_t holdout_last_batches) {
   KVCAL_ASSIGN_OR_RETURN(v1::Session session, client.GetSession(session_id));
   Geometry geometry{.num_layers = session.num_layers(),
                     .num_attention_heads = session.num_attention_heads(),
@@ -55,6 +59,24 @@ absl::StatusOr<PushSummary> PushDump(CalibrationClient& client,
                     .bins_per_octave = session.histogram_bins_per_octave()};
   KVCAL_ASSIGN_OR_RETURN(ActivationDump dump,
                          ActivationDump::Open(dump_dir, &geometry));
+  PushSummary summary;
+  if (holdout_last_batches > 0) {
+    std::set<uint64_t> batches;
+    for (const DumpTensor& t : dump.tensors()) batches.insert(t.batch);
+    if (batches.size() <= holdout_last_batches) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--holdout-batches ", holdout_last_batches,
+                       ": the dump in ", dump_dir, " has only ", batches.size(),
+                       " batches; at least one must remain for calibration"));
+    }
+    auto it = batches.end();
+    for (uint64_t i = 0; i < holdout_last_batches; ++i) {
+      --it;
+      options.holdout_batches.insert(*it);
+    }
+    summary.holdout_batches.assign(options.holdout_batches.begin(),
+                                   options.holdout_batches.end());
+  }
   std::vector<ChunkView> chunks;
   uint64_t total_chunks = 0;
   for (const DumpTensor& t : dump.tensors()) {
@@ -66,10 +88,11 @@ absl::StatusOr<PushSummary> PushDump(CalibrationClient& client,
                                .head_offset = 0,
                                .batch = t.batch,
                                .data = t.data});
-    total_chunks += SplitChunk(chunks.back(), options.max_chunk_bytes).size();
+    total_chunks += SplitChunk(chunks.back(), options.max_chunk_bytes,
+                               options.holdout_batches.count(t.batch) > 0)
+                        .size();
   }
   if (!options.counters) options.counters = std::make_shared<UploadCounters>();
-  PushSummary summary;
   summary.files = dump.file_count();
   summary.tensors = dump.tensors().size();
   const absl::Time start = absl::Now();
@@ -106,6 +129,16 @@ absl::StatusOr<FinalizeSummary> FinalizeToFile(
   const v1::Observer observer = used.observer();
   const v1::Format format = used.format();
   scales.observer = CanonicalName(observer);
+  if (request.observer() == v1::OBSERVER_AUTO &&
+      summary.response.has_evaluation()) {
+    // What each layer's scales came from.
+    Json chosen = Json::object();
+    for (const v1::LayerEvaluation& l :
+         summary.response.evaluation().layers()) {
+      chosen[std::to_string(l.layer())] = CanonicalName(l.observer());
+    }
+    scales.metadata["auto_layer_observers"] = chosen.dump();
+  }
   Json options = {{"averaging_constant", used.averaging_constant()},
                   {"percentile", used.percentile()},
                   {"margin", used.margin()},
@@ -159,6 +192,101 @@ std::string FinalizeTable(const v1::FinalizeResponse& response) {
   return out;
 }
 
+namespace {
+
+double MaxOf(const google::protobuf::RepeatedField<double>& values) {
+  double m = 0.0;
+  for (double v : values) m = std::max(m, v);
+  return m;
+}
+
+Json SharesJson(const v1::QuantizationShares& s) {
+  return {{"saturated",
+           std::vector<double>(s.saturated().begin(), s.saturated().end())},
+          {"subnormal",
+           std::vector<double>(s.subnormal().begin(), s.subnormal().end())},
+          {"saturated_all", s.saturated_all()},
+          {"subnormal_all", s.subnormal_all()}};
+}
+
+std::string ObserverLabel(v1::Observer o) { return CanonicalName(o); }
+
+}  // namespace
+
+std::string EvaluationTable(const v1::FinalizeResponse& response) {
+  if (!response.has_evaluation()) return "";
+  const v1::Evaluation& e = response.evaluation();
+  std::string out = absl::StrFormat(
+      "FP8 attention error on %u held-out sequences (%u tokens) per layer%s: "
+      "relative RMS error of the attention output, calibrated vs scale 1.0\n",
+      e.sequences(), e.tokens(), e.kv_only() ? ", K/V only" : "");
+  absl::StrAppend(
+      &out,
+      absl::StrFormat("%5s %9s %9s %9s %8s %8s %8s %8s %8s %8s  %s\n", "layer",
+                      "error", "worst", "scale1.0", "q_sat", "k_sat", "v_sat",
+                      "q_sub", "k_sub", "v_sub", "observer"));
+  for (const v1::LayerEvaluation& l : e.layers()) {
+    absl::StrAppend(
+        &out,
+        absl::StrFormat(
+            "%5u %8.3f%% %8.3f%% %8.3f%% %7.3f%% %7.3f%% %7.3f%% %7.3f%% "
+            "%7.3f%% %7.3f%%  %s/%s\n",
+            l.layer(), 100 * l.error(), 100 * MaxOf(l.head_error()),
+            100 * l.error_ones(), 100 * l.q().saturated_all(),
+            100 * l.k().saturated_all(), 100 * l.v().saturated_all(),
+            100 * l.q().subnormal_all(), 100 * l.k().subnormal_all(),
+            100 * l.v().subnormal_all(), ObserverLabel(l.observer()),
+            l.granularity() == v1::GRANULARITY_PER_HEAD ? "head" : "tensor"));
+  }
+  absl::StrAppend(
+      &out, absl::StrFormat("  all %8.3f%% %9s %8.3f%%\n", 100 * e.error(), "",
+                            100 * e.error_ones()));
+  if (response.candidates_size() > 0) {
+    absl::StrAppend(&out, "auto candidates (error over all layers):\n");
+    for (const v1::Evaluation& c : response.candidates()) {
+      absl::StrAppend(
+          &out,
+          absl::StrFormat(
+              "  %-18s %-6s %8.3f%%\n", ObserverLabel(c.observer()),
+              c.granularity() == v1::GRANULARITY_PER_HEAD ? "head" : "tensor",
+              100 * c.error()));
+    }
+  }
+  return out;
+}
+
+Json EvaluationJson(const v1::Evaluation& e) {
+  Json layers = Json::array();
+  for (const v1::LayerEvaluation& l : e.layers()) {
+    layers.push_back(
+        {{"layer", l.layer()},
+         {"error", l.error()},
+         {"error_ones", l.error_ones()},
+         {"head_error",
+          std::vector<double>(l.head_error().begin(), l.head_error().end())},
+         {"head_error_ones", std::vector<double>(l.head_error_ones().begin(),
+                                                 l.head_error_ones().end())},
+         {"q", SharesJson(l.q())},
+         {"k", SharesJson(l.k())},
+         {"v", SharesJson(l.v())},
+         {"q_ones", SharesJson(l.q_ones())},
+         {"k_ones", SharesJson(l.k_ones())},
+         {"v_ones", SharesJson(l.v_ones())},
+         {"observer", ObserverLabel(l.observer())},
+         {"granularity",
+          l.granularity() == v1::GRANULARITY_PER_HEAD ? "head" : "tensor"}});
+  }
+  return {{"observer", ObserverLabel(e.observer())},
+          {"granularity",
+           e.granularity() == v1::GRANULARITY_PER_HEAD ? "head" : "tensor"},
+          {"kv_only", e.kv_only()},
+          {"sequences", e.sequences()},
+          {"tokens", e.tokens()},
+          {"error", e.error()},
+          {"error_ones", e.error_ones()},
+          {"layers", std::move(layers)}};
+}
+
 Json FinalizeJson(const v1::FinalizeResponse& response) {
   Json layers = Json::array();
   for (const v1::LayerScales& layer : response.layers()) {
@@ -196,6 +324,10 @@ Json SessionJson(const v1::Session& s) {
           {"bytes_ingested", s.bytes_ingested()},
           {"nonfinite_values", s.nonfinite_values()},
           {"state_bytes", s.state_bytes()},
+          {"holdout_batches", s.holdout_batches()},
+          {"holdout_chunks", s.holdout_chunks()},
+          {"holdout_bytes", s.holdout_bytes()},
+          {"holdout_budget_bytes", s.holdout_budget_bytes()},
           {"producers", producers}};
 }
 

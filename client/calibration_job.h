@@ -12,6 +12,7 @@
 #define KVCAL_CLIENT_CALIBRATION_JOB_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -21,23 +22,32 @@
 
 namespace kvcal {
 
+// `holdout_budget_bytes`: held-out data the worker may keep (0 = its
+// default, 64 MiB).
 absl::StatusOr<v1::Session> CreateSessionFromConfig(
     CalibrationClient& client, const std::string& config_path,
-    const std::string& session_id, uint32_t bins_per_octave);
+    const std::string& session_id, uint32_t bins_per_octave,
+    uint64_t holdout_budget_bytes = 0);
 
 struct PushSummary {
   UploadResult upload;
   uint64_t files = 0;
   uint64_t tensors = 0;
+  // Batches sent as held out.
+  std::vector<uint64_t> holdout_batches;
   absl::Duration elapsed;
 };
 
 // Opens the dump (validated against the session's geometry) and uploads it,
-// with a progress reporter on stderr when `progress`.
+// with a progress reporter on stderr when `progress`. The last
+// `holdout_last_batches` batch numbers of the dump (by value) are sent as
+// held out (UploaderOptions::holdout_batches); InvalidArgument when the dump
+// has no more batches than that (nothing would be left to calibrate on).
 absl::StatusOr<PushSummary> PushDump(CalibrationClient& client,
                                      const std::string& session_id,
                                      const std::string& dump_dir,
-                                     UploaderOptions options, bool progress);
+                                     UploaderOptions options, bool progress,
+                                     uint64_t holdout_last_batches = 0);
 
 struct FinalizeSummary {
   v1::FinalizeResponse response;
@@ -54,6 +64,11 @@ absl::StatusOr<FinalizeSummary> FinalizeToFile(
 // A per-layer table of scales (min..max over heads), absmax and counts.
 std::string FinalizeTable(const v1::FinalizeResponse& response);
 nlohmann::ordered_json FinalizeJson(const v1::FinalizeResponse& response);
+// The evaluation (evaluate / observer auto) as a per-layer table: error,
+// worst head, scale-1.0 error, saturated and subnormal shares per role, and
+// auto's candidates; "" without an evaluation.
+std::string EvaluationTable(const v1::FinalizeResponse& response);
+nlohmann::ordered_json EvaluationJson(const v1::Evaluation& evaluation);
 nlohmann::ordered_json SessionJson(const v1::Session& session);
 
 }  // namespace kvcal

@@ -48,6 +48,9 @@ struct FinalizeArgs {
   uint32_t mse_patience = 0;
   bool q_per_kv_group = false;
   bool allow_missing = false;
+  bool evaluate = false;
+  bool evaluate_kv_only = false;
+  bool auto_per_session = false;
 };
 
 struct Args {
@@ -61,6 +64,8 @@ struct Args {
   size_t chunk_bytes = UploaderOptions{}.max_chunk_bytes;
   size_t window = UploaderOptions{}.window;  // docs/producers.md
   bool resume = false;
+  uint64_t holdout_batches = 0;
+  uint64_t holdout_budget_bytes = 0;
   FinalizeArgs finalize;
   std::string output;
   std::string checkpoint;
@@ -102,8 +107,17 @@ void AddFinalize(CLI::App* app, FinalizeArgs& f) {
   // "minmax", "static_minmax", "attn_head" are accepted as well.
   app->add_option("--observer", f.observer,
                   CliNames(v1::Observer_descriptor()) +
-                      " (or the name config.json records)")
+                      " (or the name config.json records); auto: every "
+                      "observer, judged on the held-out batches")
       ->capture_default_str();
+  app->add_flag("--evaluate", f.evaluate,
+                "also measure the scales' FP8 attention error on the "
+                "session's held-out batches (push --holdout-batches)");
+  app->add_flag("--evaluate-kv-only", f.evaluate_kv_only,
+                "evaluate with Q unquantized (FP8 KV cache, bf16 query)");
+  app->add_flag("--auto-per-session", f.auto_per_session,
+                "observer auto: one observer for every layer (default: the "
+                "best per layer)");
   app->add_option("--granularity", f.granularity,
                   CliNames(v1::Granularity_descriptor()))
       ->capture_default_str();
@@ -167,6 +181,9 @@ absl::StatusOr<v1::FinalizeRequest> MakeFinalizeRequest(
   r.set_mse_patience(f.mse_patience);
   r.set_q_per_kv_group(f.q_per_kv_group);
   r.set_allow_missing(f.allow_missing);
+  r.set_evaluate(f.evaluate);
+  r.set_evaluate_kv_only(f.evaluate_kv_only);
+  r.set_auto_per_session(f.auto_per_session);
   return r;
 }
 
@@ -184,6 +201,7 @@ Json PushJson(const PushSummary& p) {
   return {{"files", p.files},
           {"tensors", p.tensors},
           {"chunks", p.upload.chunks},
+          {"holdout_batches", p.holdout_batches},
           {"chunks_skipped", p.upload.chunks_skipped},
           {"chunks_sent", p.upload.chunks_sent},
           {"chunks_applied", p.upload.chunks_applied},
@@ -237,7 +255,8 @@ absl::StatusOr<CommandResult> RunCreate(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
   KVCAL_ASSIGN_OR_RETURN(
       v1::Session s,
-      CreateSessionFromConfig(client, a.config, a.session, a.histograms));
+      CreateSessionFromConfig(client, a.config, a.session, a.histograms,
+                              a.holdout_budget_bytes));
   if (!a.json) {
     std::cout << absl::StrFormat(
         "session %s: %u layers, %u query heads, %u KV heads, head_dim %u, "
@@ -251,9 +270,10 @@ absl::StatusOr<CommandResult> RunCreate(const Args& a) {
 
 absl::StatusOr<CommandResult> RunPush(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
-  KVCAL_ASSIGN_OR_RETURN(PushSummary p,
-                         PushDump(client, a.session, a.dump_dir,
-                                  MakeUploaderOptions(a), /*progress=*/true));
+  KVCAL_ASSIGN_OR_RETURN(
+      PushSummary p,
+      PushDump(client, a.session, a.dump_dir, MakeUploaderOptions(a),
+               /*progress=*/true, a.holdout_batches));
   if (!a.json) std::cout << PushText(p);
   return CommandResult{PushJson(p)};
 }
@@ -294,14 +314,24 @@ absl::StatusOr<CommandResult> RunFinalize(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(FinalizeSummary f,
                          FinalizeToFile(client, request, a.output));
   if (!a.json) {
-    std::cout << FinalizeTable(f.response) << "wrote " << a.output << " ("
-              << f.scales.observer << ", per " << a.finalize.granularity << ", "
-              << f.scales.metadata["format"] << ")\n";
+    std::cout << FinalizeTable(f.response) << EvaluationTable(f.response)
+              << "wrote " << a.output << " (" << f.scales.observer << ", per "
+              << a.finalize.granularity << ", " << f.scales.metadata["format"]
+              << ")\n";
   }
-  return CommandResult{Json{{"output", a.output},
-                            {"observer", f.scales.observer},
-                            {"granularity", a.finalize.granularity},
-                            {"layers", FinalizeJson(f.response)}}};
+  Json result{{"output", a.output},
+              {"observer", f.scales.observer},
+              {"granularity", a.finalize.granularity},
+              {"layers", FinalizeJson(f.response)}};
+  if (f.response.has_evaluation()) {
+    result["evaluation"] = EvaluationJson(f.response.evaluation());
+    Json candidates = Json::array();
+    for (const v1::Evaluation& c : f.response.candidates()) {
+      candidates.push_back(EvaluationJson(c));
+    }
+    if (!candidates.empty()) result["candidates"] = std::move(candidates);
+  }
+  return CommandResult{std::move(result)};
 }
 
 absl::StatusOr<CommandResult> RunPatch(const Args& a) {
@@ -388,6 +418,9 @@ int Main(int argc, char** argv) {
       ->add_option("--histograms", a.histograms,
                    "histogram bins per octave (power of two 1..128; 0 = none)")
       ->capture_default_str();
+  create->add_option("--holdout-budget-bytes", a.holdout_budget_bytes,
+                     "bytes of held-out batches the worker keeps for "
+                     "finalize --evaluate (0 = its default, 64 MiB)");
   json_flag(create);
 
   CLI::App* push = app.add_subcommand(
@@ -405,6 +438,11 @@ int Main(int argc, char** argv) {
   push->add_flag("--resume", a.resume,
                  "continue an interrupted push of the same dump: skip what the "
                  "worker already applied");
+  push->add_option("--holdout-batches", a.holdout_batches,
+                   "send the last N batches of the dump as held out: the "
+                   "worker keeps them for `finalize --evaluate` and "
+                   "`--observer auto` instead of calibrating on them")
+      ->capture_default_str();
   push->add_option("DUMP_DIR", a.dump_dir, "directory of *.safetensors dumps")
       ->required();
   json_flag(push);

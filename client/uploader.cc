@@ -53,6 +53,9 @@ v1::IngestRequest MakeRequest(const ChunkView& chunk, uint64_t sequence,
   request.set_head_offset(chunk.head_offset);
   request.set_data(reinterpret_cast<const char*>(chunk.data.data()),
                    chunk.data.size());
+  if (options.holdout_batches.count(chunk.batch) > 0) {
+    request.set_holdout(true);
+  }
   for (const std::string& id : options.shard_worker_ids) {
     request.add_shard_worker_ids(id);
   }
@@ -61,9 +64,13 @@ v1::IngestRequest MakeRequest(const ChunkView& chunk, uint64_t sequence,
 
 }  // namespace
 
-std::vector<ChunkView> SplitChunk(const ChunkView& chunk, size_t max_bytes) {
+std::vector<ChunkView> SplitChunk(const ChunkView& chunk, size_t max_bytes,
+                                  bool whole_sequences) {
   const size_t es = DTypeSize(chunk.dtype);
   if (chunk.data.size() <= max_bytes || chunk.shape.size() < 2) return {chunk};
+  if (whole_sequences && chunk.layout == Layout::kTokensHeadsDim) {
+    return {chunk};
+  }
   std::vector<ChunkView> parts;
   const uint64_t head_dim = chunk.shape.back();
   const uint64_t row = std::max<uint64_t>(1, head_dim * es);
@@ -105,8 +112,8 @@ std::vector<ChunkView> SplitChunk(const ChunkView& chunk, size_t max_bytes) {
       parts.push_back(
           Slice(chunk, {n, heads, seq, head_dim}, 0, b * entry_bytes));
     }
-  } else if (head_bytes <= max_bytes) {
-    const uint64_t per = max_bytes / head_bytes;
+  } else if (head_bytes <= max_bytes || whole_sequences) {
+    const uint64_t per = std::max<uint64_t>(1, max_bytes / head_bytes);
     for (uint64_t b = 0; b < batch; ++b) {
       for (uint64_t h = 0; h < heads; h += per) {
         const uint64_t n = std::min(per, heads - h);
@@ -196,7 +203,9 @@ absl::StatusOr<UploadResult> Uploader::Upload(
     absl::Span<const ChunkView> tensors) {
   std::vector<ChunkView> chunks;
   for (const ChunkView& t : tensors) {
-    for (ChunkView& part : SplitChunk(t, options_.max_chunk_bytes)) {
+    for (ChunkView& part :
+         SplitChunk(t, options_.max_chunk_bytes,
+                    options_.holdout_batches.count(t.batch) > 0)) {
       chunks.push_back(std::move(part));
     }
   }

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,11 @@ struct UploaderOptions {
   // its sequence; returning false cuts the stream (as a network failure
   // would) and the uploader recovers.
   std::function<bool(uint64_t sequence)> on_ack;
+  // Chunks of these batches are sent as held out (IngestRequest.holdout):
+  // the worker keeps them whole for Finalize's evaluate/auto instead of
+  // adding them to the statistics. They are split only into whole
+  // sequences and head ranges (SplitChunk's whole_sequences).
+  std::set<uint64_t> holdout_batches;
 };
 
 struct UploadResult {
@@ -90,8 +96,13 @@ struct UploadResult {
 };
 
 // Splits one tensor into chunks of at most `max_bytes` of data (never
-// smaller than one head_dim row). Chunks share `chunk.data`.
-std::vector<ChunkView> SplitChunk(const ChunkView& chunk, size_t max_bytes);
+// smaller than one head_dim row). Chunks share `chunk.data`. With
+// `whole_sequences` (held-out batches) a sequence is never cut: a
+// [batch, heads, tokens, head_dim] tensor splits into batch entries, then
+// head ranges of one entry (one head of one sequence may pass max_bytes);
+// a [..., heads, head_dim] tensor is sent whole.
+std::vector<ChunkView> SplitChunk(const ChunkView& chunk, size_t max_bytes,
+                                  bool whole_sequences = false);
 
 class Uploader {
  public:

@@ -102,7 +102,8 @@ grpc::ServerUnaryReactor* CalibrationService::CreateSession(
                            absl::StrJoin(map.worker_ids, ", "), "]"));
         }
         auto session =
-            registry_.Create(tenant, request->session_id(), *geometry, map);
+            registry_.Create(tenant, request->session_id(), *geometry, map,
+                             request->holdout_budget_bytes());
         if (!session.ok()) return session.status();
         if (persister_ != nullptr) {
           // A failing disk is reported (metrics, /healthz) and the session
@@ -177,13 +178,14 @@ grpc::ServerUnaryReactor* CalibrationService::Finalize(
           return absl::Status(s.code(),
                               absl::StrCat("Finalize: ", s.message()));
         }
-        absl::StatusOr<ScaleOptions> options = ScaleOptionsFromProto(*request);
+        absl::StatusOr<EvaluatedFinalizeOptions> options =
+            EvaluatedFinalizeOptionsFromProto(*request);
         if (!options.ok()) return options.status();
         auto result = (*session)->Finalize(*options);
         if (!result.ok()) return result.status();
-        ScaleResultToProto(*result, response);
-        *response->mutable_resolved() = *request;
-        ScaleOptionsToProto(*options, response->mutable_resolved());
+        EvaluatedFinalizeToProto(*result, response);
+        ResolvedFinalizeToProto(*request, *options, *result,
+                                response->mutable_resolved());
         return absl::OkStatus();
       });
 }
@@ -246,8 +248,8 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
                                                    " from producer '", producer,
                                                    "': ", shard.message()));
   }
-  absl::StatusOr<IngestOutcome> outcome =
-      (*session)->Ingest(producer, request.sequence(), ChunkFromProto(request));
+  absl::StatusOr<IngestOutcome> outcome = (*session)->Ingest(
+      producer, request.sequence(), ChunkFromProto(request), request.holdout());
   if (!outcome.ok()) return outcome.status();
   if (outcome->applied) {
     const uint64_t element_size = request.dtype() == pb::DTYPE_F32 ? 4 : 2;

@@ -1,5 +1,7 @@
 #include "service/proto_convert.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "util/status_macros.h"
 
@@ -25,13 +27,14 @@ static_assert(Same(Layout::kTokensHeadsDim, v1::LAYOUT_TOKENS_HEADS_DIM) &&
 static_assert(Same(Granularity::kPerTensor, v1::GRANULARITY_PER_TENSOR) &&
               Same(Granularity::kPerHead, v1::GRANULARITY_PER_HEAD) &&
               v1::Granularity_MAX == v1::GRANULARITY_PER_HEAD);
-static_assert(Same(Observer::kStaticMinMax, v1::OBSERVER_STATIC_MINMAX) &&
-              Same(Observer::kMinMaxEma, v1::OBSERVER_MINMAX_EMA) &&
-              Same(Observer::kMemorylessMinMax,
-                   v1::OBSERVER_MEMORYLESS_MINMAX) &&
-              Same(Observer::kMse, v1::OBSERVER_MSE) &&
-              Same(Observer::kPercentile, v1::OBSERVER_PERCENTILE) &&
-              v1::Observer_MAX == v1::OBSERVER_PERCENTILE);
+static_assert(
+    Same(Observer::kStaticMinMax, v1::OBSERVER_STATIC_MINMAX) &&
+    Same(Observer::kMinMaxEma, v1::OBSERVER_MINMAX_EMA) &&
+    Same(Observer::kMemorylessMinMax, v1::OBSERVER_MEMORYLESS_MINMAX) &&
+    Same(Observer::kMse, v1::OBSERVER_MSE) &&
+    Same(Observer::kPercentile, v1::OBSERVER_PERCENTILE) &&
+    // AUTO is the service's (finalize_evaluation.h), not the engine's.
+    v1::Observer_MAX == v1::OBSERVER_AUTO);
 static_assert(Same(Format::kFp8E4m3fn, v1::FORMAT_FP8_E4M3FN) &&
               Same(Format::kFp8E4m3fnuz, v1::FORMAT_FP8_E4M3FNUZ) &&
               Same(Format::kFp8E5m2, v1::FORMAT_FP8_E5M2) &&
@@ -136,6 +139,31 @@ void ScaleOptionsToProto(const ScaleOptions& options,
   out->set_allow_missing(options.allow_missing);
 }
 
+void ResolvedFinalizeToProto(const kvcal::v1::FinalizeRequest& request,
+                             const EvaluatedFinalizeOptions& options,
+                             const EvaluatedFinalize& result,
+                             kvcal::v1::FinalizeRequest* out) {
+  *out = request;
+  ScaleOptionsToProto(options.scale, out);
+  if (!options.auto_observer) return;
+  out->set_observer(kvcal::v1::OBSERVER_AUTO);
+  if (!result.evaluation.has_value()) return;
+  const Evaluation& e = *result.evaluation;
+  auto one_of = [](const auto& values) {
+    return !values.empty() &&
+           std::all_of(values.begin(), values.end(),
+                       [&](const auto& v) { return v == values.front(); });
+  };
+  if (one_of(e.layer_observers)) {
+    out->set_observer(
+        static_cast<kvcal::v1::Observer>(e.layer_observers.front()));
+  }
+  if (one_of(e.layer_granularities)) {
+    out->set_granularity(
+        static_cast<kvcal::v1::Granularity>(e.layer_granularities.front()));
+  }
+}
+
 void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out) {
   out->set_session_id(info.session_id);
   out->set_num_layers(info.geometry.num_layers);
@@ -158,6 +186,93 @@ void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out) {
   out->set_state_bytes(info.state_bytes);
   if (!info.shard_map.empty()) {
     ShardMapToProto(info.shard_map, out->mutable_shard_map());
+  }
+  out->set_holdout_budget_bytes(info.holdout_budget_bytes);
+  out->set_holdout_bytes(info.holdout_bytes);
+  out->set_holdout_chunks(info.holdout_chunks);
+  out->set_holdout_batches(info.holdout_batches);
+}
+
+absl::StatusOr<EvaluatedFinalizeOptions> EvaluatedFinalizeOptionsFromProto(
+    const kvcal::v1::FinalizeRequest& request) {
+  EvaluatedFinalizeOptions out;
+  out.auto_observer = request.observer() == kvcal::v1::OBSERVER_AUTO;
+  if (out.auto_observer) {
+    kvcal::v1::FinalizeRequest plain = request;
+    plain.set_observer(kvcal::v1::OBSERVER_UNSPECIFIED);
+    KVCAL_ASSIGN_OR_RETURN(out.scale, ScaleOptionsFromProto(plain));
+  } else {
+    KVCAL_ASSIGN_OR_RETURN(out.scale, ScaleOptionsFromProto(request));
+  }
+  out.evaluate = request.evaluate();
+  out.kv_only = request.evaluate_kv_only();
+  out.auto_per_session = request.auto_per_session();
+  for (int g : request.auto_granularities()) {
+    if (g != kvcal::v1::GRANULARITY_PER_TENSOR &&
+        g != kvcal::v1::GRANULARITY_PER_HEAD) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("auto_granularities: unknown granularity ", g));
+    }
+    const Granularity granularity = static_cast<Granularity>(g);
+    if (std::find(out.auto_granularities.begin(), out.auto_granularities.end(),
+                  granularity) == out.auto_granularities.end()) {
+      out.auto_granularities.push_back(granularity);
+    }
+  }
+  return out;
+}
+
+namespace {
+
+void SharesToProto(const RoleShares& shares,
+                   kvcal::v1::QuantizationShares* out) {
+  out->mutable_saturated()->Add(shares.saturated.begin(),
+                                shares.saturated.end());
+  out->mutable_subnormal()->Add(shares.subnormal.begin(),
+                                shares.subnormal.end());
+  out->set_saturated_all(shares.saturated_all);
+  out->set_subnormal_all(shares.subnormal_all);
+}
+
+void EvaluationToProto(const Evaluation& e, kvcal::v1::Evaluation* out) {
+  out->set_sequences(e.sequences);
+  out->set_tokens(e.tokens);
+  out->set_kv_only(e.kv_only);
+  out->set_observer(static_cast<kvcal::v1::Observer>(e.observer));
+  out->set_granularity(static_cast<kvcal::v1::Granularity>(e.granularity));
+  out->set_error(e.error);
+  out->set_error_ones(e.error_ones);
+  for (size_t i = 0; i < e.layers.size(); ++i) {
+    const LayerEvaluation& l = e.layers[i];
+    kvcal::v1::LayerEvaluation* p = out->add_layers();
+    p->set_layer(l.layer);
+    p->set_error(l.error);
+    p->set_error_ones(l.error_ones);
+    p->mutable_head_error()->Add(l.head_error.begin(), l.head_error.end());
+    p->mutable_head_error_ones()->Add(l.head_error_ones.begin(),
+                                      l.head_error_ones.end());
+    SharesToProto(l.shares[0], p->mutable_q());
+    SharesToProto(l.shares[1], p->mutable_k());
+    SharesToProto(l.shares[2], p->mutable_v());
+    SharesToProto(l.shares_ones[0], p->mutable_q_ones());
+    SharesToProto(l.shares_ones[1], p->mutable_k_ones());
+    SharesToProto(l.shares_ones[2], p->mutable_v_ones());
+    p->set_observer(static_cast<kvcal::v1::Observer>(e.layer_observers[i]));
+    p->set_granularity(
+        static_cast<kvcal::v1::Granularity>(e.layer_granularities[i]));
+  }
+}
+
+}  // namespace
+
+void EvaluatedFinalizeToProto(const EvaluatedFinalize& result,
+                              kvcal::v1::FinalizeResponse* out) {
+  ScaleResultToProto(result.scales, out);
+  if (result.evaluation.has_value()) {
+    EvaluationToProto(*result.evaluation, out->mutable_evaluation());
+  }
+  for (const Evaluation& e : result.candidates) {
+    EvaluationToProto(e, out->add_candidates());
   }
 }
 
@@ -222,6 +337,20 @@ void SnapshotToProto(const std::string& session_id,
   if (!snapshot.shard_map.empty()) {
     ShardMapToProto(snapshot.shard_map, out->mutable_shard_map());
   }
+  out->set_holdout_budget_bytes(snapshot.holdout_budget_bytes);
+  for (const HoldoutChunk& c : snapshot.holdout_chunks) {
+    kvcal::v1::HoldoutChunk* h = out->add_holdout_chunks();
+    h->set_producer_id(c.producer_id);
+    h->set_sequence(c.sequence);
+    h->set_batch(c.batch);
+    h->set_layer(c.layer);
+    h->set_role(static_cast<kvcal::v1::Role>(c.role));
+    h->set_dtype(static_cast<kvcal::v1::DType>(c.dtype));
+    h->set_layout(static_cast<kvcal::v1::Layout>(c.layout));
+    h->mutable_shape()->Add(c.shape.begin(), c.shape.end());
+    h->set_head_offset(c.head_offset);
+    h->set_data(c.data);
+  }
 }
 
 absl::StatusOr<SessionSnapshot> SnapshotFromProto(
@@ -259,6 +388,27 @@ absl::StatusOr<SessionSnapshot> SnapshotFromProto(
                                      state.applied_import_ids().end());
   snapshot.shard_map = ShardMapFromProto(state.shard_map());
   KVCAL_RETURN_IF_ERROR(ValidateShardMap(snapshot.shard_map, g.num_layers));
+  snapshot.holdout_budget_bytes = state.holdout_budget_bytes();
+  for (const kvcal::v1::HoldoutChunk& h : state.holdout_chunks()) {
+    // The same checks as a chunk arriving by Ingest.
+    kvcal::v1::IngestRequest as_chunk;
+    as_chunk.set_layer(h.layer());
+    as_chunk.set_role(h.role());
+    as_chunk.set_dtype(h.dtype());
+    as_chunk.set_layout(h.layout());
+    *as_chunk.mutable_shape() = h.shape();
+    as_chunk.set_head_offset(h.head_offset());
+    as_chunk.set_data(h.data());
+    const ChunkView view = ChunkFromProto(as_chunk);
+    if (absl::StatusOr<ChunkExtent> e = ValidateChunk(g, view); !e.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state has an invalid held-out chunk (producer '", h.producer_id(),
+          "', sequence ", h.sequence(), "): ", e.status().message()));
+    }
+    snapshot.holdout_chunks.push_back(
+        HoldoutChunk::Of(h.producer_id(), h.sequence(), view));
+    snapshot.holdout_chunks.back().batch = h.batch();
+  }
   return snapshot;
 }
 

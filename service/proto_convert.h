@@ -23,6 +23,14 @@ ChunkView ChunkFromProto(const kvcal::v1::IngestRequest& request);
 absl::StatusOr<ScaleOptions> ScaleOptionsFromProto(
     const kvcal::v1::FinalizeRequest& request);
 
+// ScaleOptionsFromProto plus evaluate / kv-only / OBSERVER_AUTO and its
+// flags. With OBSERVER_AUTO, `scale.observer` is left at the default.
+absl::StatusOr<EvaluatedFinalizeOptions> EvaluatedFinalizeOptionsFromProto(
+    const kvcal::v1::FinalizeRequest& request);
+// Scales (ScaleResultToProto), evaluation and candidates.
+void EvaluatedFinalizeToProto(const EvaluatedFinalize& result,
+                              kvcal::v1::FinalizeResponse* out);
+
 ShardMap ShardMapFromProto(const kvcal::v1::ShardMap& map);
 void ShardMapToProto(const ShardMap& map, kvcal::v1::ShardMap* out);
 
@@ -32,6 +40,13 @@ void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out);
 // they are.
 void ScaleOptionsToProto(const ScaleOptions& options,
                          kvcal::v1::FinalizeRequest* out);
+// FinalizeResponse.resolved: `request` with every option as the worker used
+// it. With OBSERVER_AUTO the observer (and granularity) is the chosen one
+// when a single one serves every layer, else stays OBSERVER_AUTO.
+void ResolvedFinalizeToProto(const kvcal::v1::FinalizeRequest& request,
+                             const EvaluatedFinalizeOptions& options,
+                             const EvaluatedFinalize& result,
+                             kvcal::v1::FinalizeRequest* out);
 void ScaleResultToProto(const ScaleResult& result,
                         kvcal::v1::FinalizeResponse* out);
 

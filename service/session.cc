@@ -15,11 +15,13 @@ std::string ResolveProducerId(absl::string_view producer_id) {
 }
 
 Session::Session(std::string id, std::string tenant, const Geometry& geometry,
-                 std::unique_ptr<StatisticsBackend> backend)
+                 std::unique_ptr<StatisticsBackend> backend,
+                 uint64_t holdout_budget_bytes)
     : id_(std::move(id)),
       tenant_(std::move(tenant)),
       geometry_(geometry),
-      backend_(std::move(backend)) {}
+      backend_(std::move(backend)),
+      holdout_(holdout_budget_bytes) {}
 
 absl::StatusOr<std::shared_ptr<Session>> Session::Create(
     std::string id, std::string tenant, const Geometry& geometry,
@@ -29,7 +31,8 @@ absl::StatusOr<std::shared_ptr<Session>> Session::Create(
       std::unique_ptr<StatisticsBackend> backend,
       CreateBackend(options.backend, geometry, options.backend_options));
   return std::shared_ptr<Session>(new Session(std::move(id), std::move(tenant),
-                                              geometry, std::move(backend)));
+                                              geometry, std::move(backend),
+                                              options.holdout_budget_bytes));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
@@ -43,9 +46,12 @@ absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
                      "} does not match its statistics {",
                      stats.geometry().DebugString(), "}"));
   }
+  SessionOptions with_budget = options;
+  with_budget.holdout_budget_bytes = snapshot.holdout_budget_bytes;
   KVCAL_ASSIGN_OR_RETURN(
       std::shared_ptr<Session> session,
-      Create(std::move(id), std::move(tenant), snapshot.geometry, options));
+      Create(std::move(id), std::move(tenant), snapshot.geometry, with_budget));
+  KVCAL_RETURN_IF_ERROR(session->holdout_.Merge(snapshot.holdout_chunks));
   KVCAL_RETURN_IF_ERROR(session->backend_->Merge(stats));
   session->chunks_applied_ = snapshot.counters.chunks_applied;
   session->values_ingested_ = snapshot.counters.values_ingested;
@@ -76,7 +82,8 @@ Session::Producer* Session::FindProducer(const std::string& producer_id,
 
 absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
                                               uint64_t sequence,
-                                              const ChunkView& chunk) {
+                                              const ChunkView& chunk,
+                                              bool holdout) {
   const std::string producer_name = ResolveProducerId(producer_id);
   auto describe = [&] {
     return absl::StrCat("chunk ", sequence, " from producer '", producer_name,
@@ -115,7 +122,10 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
         describe(), ": sequence gap, expected sequence ",
         producer->watermark + 1, " (watermark ", producer->watermark, ")"));
   }
-  if (absl::Status status = backend_->Accumulate(chunk); !status.ok()) {
+  if (absl::Status status = holdout ? holdout_.Add(HoldoutChunk::Of(
+                                          producer_name, sequence, chunk))
+                                    : backend_->Accumulate(chunk);
+      !status.ok()) {
     return absl::Status(status.code(),
                         absl::StrCat(describe(), ": ", status.message()));
   }
@@ -154,6 +164,10 @@ absl::StatusOr<SessionInfo> Session::Info() {
   info.state_bytes = backend_->StateBytes();
   info.producers = ProducerInfos();
   info.shard_map = shard_map();
+  info.holdout_budget_bytes = holdout_.budget_bytes();
+  info.holdout_bytes = holdout_.bytes();
+  info.holdout_chunks = holdout_.chunks();
+  info.holdout_batches = holdout_.batches();
   info.counters.chunks_applied = chunks_applied_.load();
   info.counters.values_ingested = values_ingested_.load();
   info.counters.bytes_ingested = bytes_ingested_.load();
@@ -175,6 +189,12 @@ absl::StatusOr<ScaleResult> Session::Finalize(const ScaleOptions& options) {
   return ComputeScales(stats, options);
 }
 
+absl::StatusOr<EvaluatedFinalize> Session::Finalize(
+    const EvaluatedFinalizeOptions& options) {
+  KVCAL_ASSIGN_OR_RETURN(SessionStatistics stats, backend_->Snapshot());
+  return FinalizeAndEvaluate(stats, holdout_, options);
+}
+
 absl::StatusOr<SessionSnapshot> Session::Export() {
   std::unique_lock<std::shared_mutex> state_lock(state_mu_);
   KVCAL_ASSIGN_OR_RETURN(SessionStatistics stats, backend_->Snapshot());
@@ -189,6 +209,8 @@ absl::StatusOr<SessionSnapshot> Session::Export() {
   snapshot.applied_import_ids.assign(applied_import_ids_.begin(),
                                      applied_import_ids_.end());
   snapshot.shard_map = shard_map();
+  snapshot.holdout_budget_bytes = holdout_.budget_bytes();
+  snapshot.holdout_chunks = holdout_.Chunks();
   return snapshot;
 }
 
@@ -251,6 +273,8 @@ absl::Status Session::Merge(const SessionSnapshot& snapshot,
       applied_import_ids_.count(std::string(import_id)) > 0) {
     return absl::OkStatus();  // a retried import: already applied
   }
+  // Held-out chunks first: past the budget, nothing changes.
+  KVCAL_RETURN_IF_ERROR(holdout_.Merge(snapshot.holdout_chunks));
   KVCAL_RETURN_IF_ERROR(backend_->Merge(stats));
   chunks_applied_ += snapshot.counters.chunks_applied;
   values_ingested_ += snapshot.counters.values_ingested;

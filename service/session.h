@@ -26,6 +26,8 @@
 #include "absl/types/span.h"
 #include "kernels/backend.h"
 #include "kernels/scale_math.h"
+#include "service/finalize_evaluation.h"
+#include "service/holdout_store.h"
 #include "service/shard_map.h"
 
 namespace kvcal::service {
@@ -33,6 +35,8 @@ namespace kvcal::service {
 struct SessionOptions {
   BackendKind backend = BackendKind::kAuto;
   BackendOptions backend_options;
+  // Held-out data budget (CreateSession holdout_budget_bytes); 0 = 64 MiB.
+  uint64_t holdout_budget_bytes = 0;
 };
 
 struct ProducerInfo {
@@ -57,6 +61,10 @@ struct SessionInfo {
   std::string backend;
   uint64_t state_bytes = 0;
   ShardMap shard_map;
+  uint64_t holdout_budget_bytes = 0;
+  uint64_t holdout_bytes = 0;
+  uint64_t holdout_chunks = 0;
+  uint64_t holdout_batches = 0;
 };
 
 // Everything needed to recreate or merge a session (CONTRACT.md "State").
@@ -67,6 +75,8 @@ struct SessionSnapshot {
   std::vector<ProducerInfo> producers;
   std::vector<std::string> applied_import_ids;
   ShardMap shard_map;
+  uint64_t holdout_budget_bytes = 0;  // 0 = the default
+  std::vector<HoldoutChunk> holdout_chunks;
 };
 
 struct IngestOutcome {
@@ -102,12 +112,20 @@ class Session {
   // duplicate (applied = false), watermark + 1 is applied, beyond is
   // FailedPrecondition naming the expected sequence. Errors name the
   // sequence and producer. Nothing of a rejected chunk is applied.
+  // A `holdout` chunk is kept whole in the session's HoldoutStore instead of
+  // the statistics (ResourceExhausted past its budget, nothing applied).
   absl::StatusOr<IngestOutcome> Ingest(absl::string_view producer_id,
                                        uint64_t sequence,
-                                       const ChunkView& chunk);
+                                       const ChunkView& chunk,
+                                       bool holdout = false);
 
   absl::StatusOr<SessionInfo> Info();
   absl::StatusOr<ScaleResult> Finalize(const ScaleOptions& options);
+  // Finalize with `evaluate` or the `auto` observer on the held-out batches
+  // (service/finalize_evaluation.h).
+  absl::StatusOr<EvaluatedFinalize> Finalize(
+      const EvaluatedFinalizeOptions& options);
+  const HoldoutStore& holdout() const { return holdout_; }
   absl::StatusOr<SessionSnapshot> Export();
 
   // Merges an exported state (same geometry, else InvalidArgument and nothing
@@ -151,7 +169,8 @@ class Session {
   };
 
   Session(std::string id, std::string tenant, const Geometry& geometry,
-          std::unique_ptr<StatisticsBackend> backend);
+          std::unique_ptr<StatisticsBackend> backend,
+          uint64_t holdout_budget_bytes);
   Producer* FindProducer(const std::string& producer_id, bool create);
   std::vector<ProducerInfo> ProducerInfos();
 
@@ -159,6 +178,7 @@ class Session {
   const std::string tenant_;
   const Geometry geometry_;
   std::unique_ptr<StatisticsBackend> backend_;
+  HoldoutStore holdout_;
 
   // Shared by Ingest; exclusive for Export/Merge, so that a snapshot's
   // statistics and watermarks agree.

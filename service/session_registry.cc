@@ -129,7 +129,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Build(
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
     absl::string_view tenant, absl::string_view id, const Geometry& geometry,
-    const ShardMap& shard_map) {
+    const ShardMap& shard_map, uint64_t holdout_budget_bytes) {
   KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/true));
   KVCAL_RETURN_IF_ERROR(geometry.Validate());
   KVCAL_RETURN_IF_ERROR(ValidateShardMap(shard_map, geometry.num_layers));
@@ -153,11 +153,13 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
                 id.empty() ? NewSessionId(tenant) : std::string(id)};
   const uint64_t reserved = Reserve(key, geometry);
   lock.unlock();
+  SessionOptions session_options = options_.session;
+  session_options.holdout_budget_bytes = holdout_budget_bytes;
   return Build(
       key, reserved, [&]() -> absl::StatusOr<std::shared_ptr<Session>> {
         KVCAL_ASSIGN_OR_RETURN(
             std::shared_ptr<Session> session,
-            Session::Create(key.second, key.first, geometry, options_.session));
+            Session::Create(key.second, key.first, geometry, session_options));
         KVCAL_RETURN_IF_ERROR(session->AdoptShardMap(shard_map));
         return session;
       });

@@ -55,9 +55,10 @@ class SessionRegistry {
   // session; a different one is AlreadyExists.
   // `shard_map` (may be empty) is validated here and recorded
   // (Session::AdoptShardMap; a different existing map is FailedPrecondition).
+  // `holdout_budget_bytes` (0 = the default) applies to a new session only.
   absl::StatusOr<std::shared_ptr<Session>> Create(
       absl::string_view tenant, absl::string_view id, const Geometry& geometry,
-      const ShardMap& shard_map = {});
+      const ShardMap& shard_map = {}, uint64_t holdout_budget_bytes = 0);
   absl::StatusOr<std::shared_ptr<Session>> Get(absl::string_view tenant,
                                                absl::string_view id);
   // The tenant's sessions, ordered by id.

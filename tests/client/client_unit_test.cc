@@ -111,6 +111,33 @@ TEST(SplitChunkTest, HeadsTokensDimSplitsBatchThenHeadsThenSequence) {
   ExpectExactCover(c, parts, 3 * 8 * 4);
 }
 
+TEST(SplitChunkTest, WholeSequencesAreNeverCutByTokens) {
+  std::vector<float> data(2 * 3 * 4 * 8);
+  ChunkView c{
+      .layout = Layout::kHeadsTokensDim,
+      .shape = {2, 3, 4, 8},
+      .data = absl::MakeConstSpan(
+          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4)};
+  // Below one head of one sequence: one (entry, head) per part, whole.
+  auto parts = SplitChunk(c, 3 * 8 * 4, /*whole_sequences=*/true);
+  ASSERT_EQ(parts.size(), 2u * 3);
+  EXPECT_EQ(parts[4].shape, (std::vector<uint64_t>{1, 1, 4, 8}));
+  EXPECT_EQ(parts[4].head_offset, 1u);
+  ExpectExactCover(c, parts, 4 * 8 * 4);
+  // Above it: head ranges as without whole_sequences.
+  parts = SplitChunk(c, 2 * 4 * 8 * 4, /*whole_sequences=*/true);
+  ASSERT_EQ(parts.size(), 4u);
+  ExpectExactCover(c, parts, 2 * 4 * 8 * 4);
+  // [tokens, heads, dim] is one sequence: sent whole.
+  ChunkView t{
+      .shape = {12, 2, 8},
+      .data = absl::MakeConstSpan(
+          reinterpret_cast<const std::byte*>(data.data()), 12 * 2 * 8 * 4)};
+  parts = SplitChunk(t, 64, /*whole_sequences=*/true);
+  ASSERT_EQ(parts.size(), 1u);
+  EXPECT_EQ(parts[0].shape, t.shape);
+}
+
 // tests/data/shard_vectors.json (written by make_shard_vectors.py, which
 // checks itself against the published FNV-1a and SplitMix64 vectors); the
 // Python client's test reads the same file.
@@ -226,6 +253,7 @@ TEST(ProgressTest, LineShowsBytesChunksRateAndEta) {
 TEST(CliNamesTest, ParsesObserversGranularitiesFormats) {
   EXPECT_EQ(*ParseObserver("minmax-ema"), v1::OBSERVER_MINMAX_EMA);
   EXPECT_EQ(*ParseObserver("percentile"), v1::OBSERVER_PERCENTILE);
+  EXPECT_EQ(*ParseObserver("auto"), v1::OBSERVER_AUTO);
   EXPECT_THAT(std::string(ParseObserver("max").status().message()),
               HasSubstr("unknown observer 'max'"));
   EXPECT_EQ(*ParseGranularity("head"), v1::GRANULARITY_PER_HEAD);

@@ -39,7 +39,7 @@ def test_python_accepts_every_spelling(what, spelling, canonical):
 def test_table_is_the_protos():
     assert OBSERVERS == {"static_minmax": pb.OBSERVER_STATIC_MINMAX, "minmax": pb.OBSERVER_MINMAX_EMA,
                          "memoryless_minmax": pb.OBSERVER_MEMORYLESS_MINMAX, "mse": pb.OBSERVER_MSE,
-                         "percentile": pb.OBSERVER_PERCENTILE}
+                         "percentile": pb.OBSERVER_PERCENTILE, "auto": pb.OBSERVER_AUTO}
     assert GRANULARITIES == {"tensor": pb.GRANULARITY_PER_TENSOR, "head": pb.GRANULARITY_PER_HEAD}
     with pytest.raises(ValueError, match="unknown observer 'max'"):
         _resolve("max", OBSERVERS, _OBSERVER_ALIASES, "observer")

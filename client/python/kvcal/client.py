@@ -346,11 +346,13 @@ class Client:
     # -- sessions ------------------------------------------------------------
     def create_session(self, config: Any = None, *, geometry: Union[Geometry, Mapping, None] = None,
                        histograms: int = DEFAULT_HISTOGRAMS, session_id: str = "",
-                       roles: Iterable[str] = ()) -> pb.Session:
+                       roles: Iterable[str] = (), holdout_budget_bytes: int = 0) -> pb.Session:
         """Creates a session (or returns the identical existing one) and makes
         it this client's session. Geometry from `config` (transformers config,
         config.json dict or path) or `geometry` (Geometry or a dict with
-        num_layers, num_attention_heads, num_key_value_heads, head_dim)."""
+        num_layers, num_attention_heads, num_key_value_heads, head_dim).
+        holdout_budget_bytes: bytes of held-out data the worker keeps (0 = its
+        default, 64 MiB)."""
         if geometry is None:
             if config is None:
                 raise ValueError("kvcal: create_session needs a config or a geometry")
@@ -362,7 +364,8 @@ class Client:
             session_id=session_id, num_layers=geometry.num_layers,
             num_attention_heads=geometry.num_attention_heads,
             num_key_value_heads=geometry.num_key_value_heads, head_dim=geometry.head_dim,
-            histogram_bins_per_octave=histograms, roles=role_values)
+            histogram_bins_per_octave=histograms, roles=role_values,
+            holdout_budget_bytes=int(holdout_budget_bytes))
         if self.workers is not None:
             if not request.session_id:  # the map depends on the id: the first worker picks it
                 request.session_id = self.workers[0]._call(
@@ -403,13 +406,15 @@ class Client:
         total.CopyFrom(self.check_session_workers(sid))
         del total.producers[:]
         for field in ("chunks_applied", "values_ingested", "bytes_ingested", "nonfinite_values",
-                      "state_bytes"):
+                      "state_bytes", "holdout_bytes", "holdout_chunks", "holdout_batches"):
             setattr(total, field, 0)
         for w in self.workers:
             part = w.status(sid)
             for field in ("chunks_applied", "values_ingested", "bytes_ingested",
-                          "nonfinite_values", "state_bytes"):
+                          "nonfinite_values", "state_bytes", "holdout_bytes", "holdout_chunks"):
                 setattr(total, field, getattr(total, field) + getattr(part, field))
+            # Every worker holds the same held-out batches, for its own layers.
+            total.holdout_batches = max(total.holdout_batches, part.holdout_batches)
             for p in part.producers:
                 total.producers.add(producer_id=f"{w.worker_id}/{p.producer_id}", sequence=p.sequence,
                                     durable_sequence=p.durable_sequence)
@@ -472,7 +477,24 @@ class Client:
                 total.resolved.CopyFrom(response.resolved)
                 del total.resolved.layers[:]
                 total.resolved.layers.extend(request.layers)
+            # evaluate / observer auto: each worker judged its own layers. Layer
+            # rows are concatenated; session totals are the first worker's (as
+            # the C++ client does).
+            if response.HasField("evaluation"):
+                if not total.HasField("evaluation"):
+                    total.evaluation.CopyFrom(response.evaluation)
+                else:
+                    total.evaluation.layers.extend(response.evaluation.layers)
+            if not total.candidates:
+                total.candidates.extend(response.candidates)
+            else:
+                for mine, theirs in zip(total.candidates, response.candidates):
+                    mine.layers.extend(theirs.layers)
         total.layers.sort(key=lambda l: l.layer)
+        if total.HasField("evaluation"):
+            rows = sorted(total.evaluation.layers, key=lambda l: l.layer)
+            del total.evaluation.layers[:]
+            total.evaluation.layers.extend(rows)
         return total
 
     def finalize(self, observer: str = "static_minmax", granularity: str = "tensor",
@@ -483,10 +505,13 @@ class Client:
         of shape [1] (per tensor) or [heads, 1, 1] (per head), or to torch
         tensors with as_torch=True.
 
-        observer: static_minmax | minmax (EMA) | memoryless_minmax | mse | percentile.
+        observer: static_minmax | minmax (EMA) | memoryless_minmax | mse | percentile |
+        auto (every observer judged on the held-out batches; finalize_response()
+        returns the evaluation that justifies the choice).
         granularity: tensor | head.  fmt: float8_e4m3fn | float8_e4m3fnuz | float8_e5m2 | int8.
         params: averaging_constant, percentile, margin, mse_grid, mse_max_shrink,
-        mse_norm, mse_patience, q_per_kv_group, allow_missing, layers.
+        mse_norm, mse_patience, q_per_kv_group, allow_missing, layers, evaluate,
+        evaluate_kv_only, auto_per_session, auto_granularities.
         """
         sid = self._session(session_id)
         request, observer, granularity, fmt = self._finalize_request(
@@ -531,7 +556,9 @@ class Client:
                           margin: float = 0.0, mse_grid: int = 0, mse_max_shrink: float = 0.0,
                           mse_norm: float = 0.0, mse_patience: int = 0,
                           q_per_kv_group: bool = False, allow_missing: bool = False,
-                          layers: Iterable[int] = ()):
+                          layers: Iterable[int] = (), evaluate: bool = False,
+                          evaluate_kv_only: bool = False, auto_per_session: bool = False,
+                          auto_granularities: Iterable[str] = ()):
         observer = _resolve(observer, OBSERVERS, _OBSERVER_ALIASES, "observer")
         granularity = _resolve(granularity, GRANULARITIES, _GRANULARITY_ALIASES, "granularity")
         fmt = _resolve(fmt, FORMATS, _FORMAT_ALIASES, "format")
@@ -541,5 +568,9 @@ class Client:
             averaging_constant=averaging_constant, percentile=percentile, margin=margin,
             mse_grid=mse_grid, mse_max_shrink=mse_max_shrink, mse_norm=mse_norm,
             mse_patience=mse_patience, q_per_kv_group=q_per_kv_group,
-            allow_missing=allow_missing, layers=list(layers))
+            allow_missing=allow_missing, layers=list(layers), evaluate=evaluate,
+            evaluate_kv_only=evaluate_kv_only, auto_per_session=auto_per_session,
+            auto_granularities=[GRANULARITIES[_resolve(g, GRANULARITIES, _GRANULARITY_ALIASES,
+                                                       "granularity")]
+                                for g in auto_granularities])
         return request, observer, granularity, fmt

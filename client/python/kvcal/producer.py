@@ -10,6 +10,14 @@
     # leaving the block flushes: every chunk is applied (and durable, when
     # the worker persists) or an error is raised
 
+Held-out batches (for Finalize's evaluate and the auto observer): set
+`producer.holdout = True` (or pass holdout=True to put()); chunks put while
+it is set are sent as held out, and the worker keeps them whole instead of
+calibrating on them. Send q, k and v of the same sequences: heads_tokens_dim
+[batch, heads, tokens, head_dim] (each batch entry one sequence) or
+tokens_heads_dim [tokens, heads, head_dim] (one sequence). Held-out tensors
+are split only into whole sequences and head ranges, never by tokens.
+
 put() numbers the chunks (sequence 1, 2, ... per producer), splits tensors
 larger than chunk_bytes along whole rows, and returns at once: a background
 thread streams them over one Ingest stream. put() blocks only while the
@@ -106,7 +114,7 @@ class _Payload:
 
 class _Chunk:
     __slots__ = ("sequence", "batch", "layer", "role", "dtype", "layout", "shape",
-                 "head_offset", "payload", "begin", "end")
+                 "head_offset", "payload", "begin", "end", "holdout")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -121,7 +129,7 @@ class _Chunk:
             session_id=session_id, producer_id=producer_id, sequence=self.sequence,
             batch=self.batch, layer=self.layer, role=self.role, dtype=self.dtype,
             layout=self.layout, shape=self.shape, head_offset=self.head_offset,
-            data=bytes(self.payload.view()[self.begin:self.end]))
+            data=bytes(self.payload.view()[self.begin:self.end]), holdout=self.holdout)
 
 
 def _torch_bytes(tensor) -> bytes:
@@ -170,13 +178,18 @@ def _payload_of(tensor: Any) -> Tuple[_Payload, int, Tuple[int, ...]]:
     return _Payload(_torch_bytes(tensor.cpu())), dtypes[tensor.dtype], shape
 
 
-def _cut(shape: Tuple[int, ...], layout: int, itemsize: int, chunk_bytes: int):
+def _cut(shape: Tuple[int, ...], layout: int, itemsize: int, chunk_bytes: int,
+         whole_sequences: bool = False):
     """Splits a tensor into contiguous byte ranges of at most chunk_bytes
-    (when a single row allows it). Yields (shape, head_offset_delta, begin, end)."""
+    (when a single row allows it). Yields (shape, head_offset_delta, begin, end).
+    whole_sequences (held-out tensors): never cut a sequence; a
+    tokens_heads_dim tensor goes whole, one head of one sequence may pass
+    chunk_bytes."""
     total = itemsize
     for d in shape:
         total *= d
-    if total <= chunk_bytes or total == 0:
+    if total <= chunk_bytes or total == 0 or (whole_sequences
+                                              and layout == pb.LAYOUT_TOKENS_HEADS_DIM):
         yield list(shape), 0, 0, total
         return
     if layout == pb.LAYOUT_TOKENS_HEADS_DIM:
@@ -199,8 +212,8 @@ def _cut(shape: Tuple[int, ...], layout: int, itemsize: int, chunk_bytes: int):
         return
     for b in range(batch):
         base = b * per_batch
-        if per_head <= chunk_bytes:
-            step = chunk_bytes // per_head
+        if per_head <= chunk_bytes or whole_sequences:
+            step = max(1, chunk_bytes // per_head)
             for h in range(0, heads, step):
                 n = min(step, heads - h)
                 yield [1, n, tokens, dim], h, base + h * per_head, base + (h + n) * per_head
@@ -259,6 +272,8 @@ class Producer:
         self._progress = False  # the current stream has had a response
         self._batch = 0
         self._batches_started = False
+        # Chunks put while True are sent as held out (see the module docs).
+        self.holdout = False
         self.geometry = None  # the session's, read from the worker below
 
         watermark = self._server_watermark()  # also reads the geometry
@@ -295,15 +310,18 @@ class Producer:
         return self._next_sequence - 1
 
     def put(self, layer: int, role, tensor, *, batch: Optional[int] = None,
-            layout="heads_tokens_dim", head_offset: int = 0) -> None:
+            layout="heads_tokens_dim", head_offset: int = 0,
+            holdout: Optional[bool] = None) -> None:
         """Queues one tensor of (layer, role) for the current batch.
 
         layout heads_tokens_dim (alias hf): [batch, heads, tokens, head_dim];
         tokens_heads_dim (alias vllm): [..., heads, head_dim]. The tensor
         carries heads [head_offset, head_offset + heads) of the role.
+        holdout (default: self.holdout) sends it as held out.
         """
         if isinstance(role, str):
             role = role.lower()
+        holdout = self.holdout if holdout is None else bool(holdout)
         if role not in _ROLES:
             raise ValueError(f"kvcal: role {role!r} is not q, k or v")
         if isinstance(layout, str):
@@ -321,14 +339,14 @@ class Producer:
         if layout == pb.LAYOUT_TOKENS_HEADS_DIM and len(shape) < 2:
             raise ValueError(f"kvcal: layout tokens_heads_dim needs [..., heads, head_dim], got {list(shape)}")
         itemsize = 4 if dtype == pb.DTYPE_F32 else 2
-        pieces = list(_cut(shape, layout, itemsize, self.chunk_bytes))
+        pieces = list(_cut(shape, layout, itemsize, self.chunk_bytes, whole_sequences=holdout))
         with self._cv:
             for piece_shape, head_delta, begin, end in pieces:
                 self._wait_for_room_locked(end - begin)
                 chunk = _Chunk(sequence=self._next_sequence, batch=int(batch), layer=int(layer),
                                role=_ROLES[role], dtype=dtype, layout=layout, shape=piece_shape,
                                head_offset=int(head_offset) + head_delta, payload=payload,
-                               begin=begin, end=end)
+                               begin=begin, end=end, holdout=holdout)
                 self._next_sequence += 1
                 self._chunks.append(chunk)
                 self._held_bytes += chunk.nbytes
@@ -669,6 +687,15 @@ class _ShardedProducer(Producer):
 
     def new_batch(self) -> int:
         return [p.new_batch() for p in self._shards][0]
+
+    @property
+    def holdout(self) -> bool:
+        return self._shards[0].holdout
+
+    @holdout.setter
+    def holdout(self, value: bool) -> None:
+        for p in self._shards:
+            p.holdout = bool(value)
 
     @property
     def last_sequence(self) -> int:

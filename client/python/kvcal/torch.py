@@ -33,6 +33,10 @@ Notes:
   Left padding needs `position_ids` (cumsum of the mask − 1, as `generate`
   passes them) for RoPE to see the same positions; the capture does not
   change what the model computes. Without a mask every position is sent.
+- Held-out batches: set `producer.holdout = True` before the forwards whose
+  activations the worker should keep for Finalize's evaluate / auto
+  observer. Their sequences are sent whole, one [1, heads, tokens,
+  head_dim] tensor per sequence when a padding mask is given.
 - Attention recomputed during backward (gradient checkpointing) is not sent
   again.
 """
@@ -174,10 +178,18 @@ class _Capture:
                 f"do not match the session's {g.num_attention_heads} query heads, "
                 f"{g.num_key_value_heads} key/value heads of head_dim {g.head_dim}"))
         keep = self._kept_positions(layer, query.shape[0], tokens)
+        held_out = bool(getattr(self.producer, "holdout", False))
         for role, tensor in (("q", query), ("k", key), ("v", value)):
             if role not in self.roles:
                 continue
-            if keep is None:
+            if keep is not None and held_out:
+                # Whole sequences: the unpadded tokens of each entry apart.
+                for b in range(tensor.shape[0]):
+                    row = keep[b].to(tensor.device)
+                    if bool(row.any()):
+                        self.producer.put(layer, role, tensor[b:b + 1, :, row],
+                                          layout="heads_tokens_dim")
+            elif keep is None:
                 self.producer.put(layer, role, tensor, layout="heads_tokens_dim")
             else:
                 # [batch, heads, tokens, dim] -> the unmasked [n, heads, dim]
