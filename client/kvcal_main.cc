@@ -374,8 +374,8 @@ absl::StatusOr<SessionStatistics> ExportStatistics(CalibrationClient& client,
     const grpc::Status status =
         client.stub(i).ExportState(&context, request, &state);
     if (!status.ok()) {
-      return ToAbslStatus(status, absl::StrCat("ExportState on ",
-                                               client.endpoint(i)));
+      return ToAbslStatus(status,
+                          absl::StrCat("ExportState on ", client.endpoint(i)));
     }
     absl::StatusOr<SessionStatistics> stats =
         SessionStatistics::Deserialize(state.statistics());
@@ -578,13 +578,15 @@ int Main(int argc, char** argv) {
       "write a self-contained HTML report: scales, histograms with each "
       "observer's clip point, estimated errors, evaluation results and a "
       "recommendation");
-  report->add_option("--server", a.connection.servers,
-                     "worker host:port (with --session); several for a "
-                     "sharded session")
+  report
+      ->add_option("--server", a.connection.servers,
+                   "worker host:port (with --session); several for a "
+                   "sharded session")
       ->envname("KVCAL_SERVER")
       ->delimiter(',');
-  report->add_option("--auth-token-file", a.connection.auth_token_file,
-                     "file holding the bearer token the workers expect")
+  report
+      ->add_option("--auth-token-file", a.connection.auth_token_file,
+                   "file holding the bearer token the workers expect")
       ->envname("KVCAL_AUTH_TOKEN_FILE");
   report->add_option("--tls-ca", a.connection.tls_ca, "PEM CA bundle");
   report->add_option("--tls-cert", a.connection.tls_cert,
@@ -598,8 +600,9 @@ int Main(int argc, char** argv) {
   report->add_option("--eval", a.evaluations,
                      "kvcal.torch.evaluate results (Evaluation.to_json); "
                      "repeat for several");
-  report->add_option("--format", a.report_format,
-                     "fp8-e4m3fn|fp8-e4m3fnuz|fp8-e5m2|int8")
+  report
+      ->add_option("--format", a.report_format,
+                   "fp8-e4m3fn|fp8-e4m3fnuz|fp8-e5m2|int8")
       ->capture_default_str();
   report->add_option("-o,--output", a.output, "report.html to write")
       ->required();

@@ -44,8 +44,7 @@ constexpr ObserverChoice kObservers[] = {
     {Observer::kMemorylessMinMax, 0, "memoryless_minmax", "memoryless-minmax",
      "#8c564b"},
     {Observer::kMse, 0, "mse", "mse", "#1f77b4"},
-    {Observer::kPercentile, 99.99, "percentile 99.99", "percentile",
-     "#2ca02c"},
+    {Observer::kPercentile, 99.99, "percentile 99.99", "percentile", "#2ca02c"},
     {Observer::kPercentile, 99.9, "percentile 99.9", "percentile", "#9467bd"},
 };
 
@@ -79,11 +78,20 @@ std::string Escape(absl::string_view s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -181,12 +189,11 @@ std::string Heatmap(const std::string& id, const std::string& caption,
 // One (layer, role)'s |x| histogram summed over heads, log2 |x| on x and
 // log10 count on y, with a vertical line at each observer's per-tensor clip
 // point (scale x the format's max).
-std::string HistogramFigure(const std::string& id, const std::string& caption,
-                            const std::vector<uint64_t>& counts,
-                            uint32_t log2_bins, double x_lo, double x_hi,
-                            const std::vector<std::pair<double, const char*>>&
-                                clips,
-                            double absmax, std::vector<std::string>& figures) {
+std::string HistogramFigure(
+    const std::string& id, const std::string& caption,
+    const std::vector<uint64_t>& counts, uint32_t log2_bins, double x_lo,
+    double x_hi, const std::vector<std::pair<double, const char*>>& clips,
+    double absmax, std::vector<std::string>& figures) {
   const int width = 230, height = 96, left = 4, bottom = 14;
   const double plot_w = width - 2 * left, plot_h = height - bottom - 6;
   const uint32_t per_octave = 1u << log2_bins;
@@ -331,9 +338,9 @@ absl::StatusOr<EvaluationRow> ParseEvaluation(const EvaluationInput& in) {
   const Json& j = in.result;
   const auto field = [&](const char* name) -> absl::StatusOr<const Json*> {
     if (!j.is_object() || !j.contains(name)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "evaluation ", in.name, ": no field '", name,
-          "' (expected kvcal.torch.evaluate's to_json output)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("evaluation ", in.name, ": no field '", name,
+                       "' (expected kvcal.torch.evaluate's to_json output)"));
     }
     return &j.at(name);
   };
@@ -344,9 +351,8 @@ absl::StatusOr<EvaluationRow> ParseEvaluation(const EvaluationInput& in) {
                            field("kvcal_evaluation_version"));
     if (*version != 1) {
       return absl::InvalidArgumentError(
-          absl::StrCat("evaluation ", in.name,
-                       ": kvcal_evaluation_version ", version->dump(),
-                       " is not supported (1)"));
+          absl::StrCat("evaluation ", in.name, ": kvcal_evaluation_version ",
+                       version->dump(), " is not supported (1)"));
     }
     KVCAL_ASSIGN_OR_RETURN(const Json* granularity, field("granularity"));
     KVCAL_ASSIGN_OR_RETURN(const Json* observer, field("observer"));
@@ -411,17 +417,17 @@ absl::StatusOr<EvaluationRow> ParseEvaluation(const EvaluationInput& in) {
               "evaluation ", in.name, ": no '", role, "' in a share map"));
         }
       }
-      KVCAL_ASSIGN_OR_RETURN(auto sat, Matrix(saturation->at(role),
-                                              in.name + ": saturation"));
+      KVCAL_ASSIGN_OR_RETURN(
+          auto sat, Matrix(saturation->at(role), in.name + ": saturation"));
       KVCAL_ASSIGN_OR_RETURN(auto sat1, Matrix(saturation_ones->at(role),
                                                in.name + ": saturation_ones"));
-      KVCAL_ASSIGN_OR_RETURN(auto sub, Matrix(subnormal->at(role),
-                                              in.name + ": subnormal"));
+      KVCAL_ASSIGN_OR_RETURN(
+          auto sub, Matrix(subnormal->at(role), in.name + ": subnormal"));
       KVCAL_ASSIGN_OR_RETURN(row.absmax[r],
                              Matrix(absmax->at(role), in.name + ": absmax"));
       if (j.contains("scales") && j["scales"].contains(role)) {
-        KVCAL_ASSIGN_OR_RETURN(row.scale[r], Matrix(j["scales"][role],
-                                                    in.name + ": scales"));
+        KVCAL_ASSIGN_OR_RETURN(row.scale[r],
+                               Matrix(j["scales"][role], in.name + ": scales"));
       }
       if (!quantized) continue;
       double worst = 0.0, worst1 = 0.0, mean = 0.0;
@@ -441,9 +447,7 @@ absl::StatusOr<EvaluationRow> ParseEvaluation(const EvaluationInput& in) {
   return row;
 }
 
-std::string QuantizedName(bool kv_only) {
-  return kv_only ? "K, V" : "Q, K, V";
-}
+std::string QuantizedName(bool kv_only) { return kv_only ? "K, V" : "Q, K, V"; }
 
 std::string QScalesName(const EvaluationRow& r) {
   if (r.kv_only) return "&#8212;";
@@ -485,7 +489,8 @@ std::vector<Estimate> EstimateObservers(const SessionStatistics& stats,
             const auto& role = layer.role(kRoles[r]);
             if (!role || role->scale.empty()) continue;
             for (uint32_t h = 0; h < heads; ++h) {
-              const HeadStatistics* head = &stats.head(layer.layer, kRoles[r], h);
+              const HeadStatistics* head =
+                  &stats.head(layer.layer, kRoles[r], h);
               if (head->finite_count == 0) continue;
               float scale = role->scale[0];
               if (role->scale.size() == heads) {
@@ -610,8 +615,8 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
     // Margin: how far the evaluation's maxima pass the clip points.
     double over = 0.0;
     for (int r = kv_only ? 1 : 0; r < 3; ++r) {
-      for (size_t l = 0; l < best->scale[r].size() && l < best->absmax[r].size();
-           ++l) {
+      for (size_t l = 0;
+           l < best->scale[r].size() && l < best->absmax[r].size(); ++l) {
         for (size_t h = 0;
              h < best->scale[r][l].size() && h < best->absmax[r][l].size();
              ++h) {
@@ -720,8 +725,8 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
       Escape(rec["granularity"].get<std::string>()),
       rec["quantize"] == "k_v" ? "K and V (FP8 KV cache)"
                                : "Q, K and V (FP8 attention)",
-      rec.value("q_per_kv_group", false) &&
-              rec["granularity"] == "head" && rec["quantize"] == "q_k_v"
+      rec.value("q_per_kv_group", false) && rec["granularity"] == "head" &&
+              rec["quantize"] == "q_k_v"
           ? " (q reduced per KV group)"
           : "",
       rec["margin"].get<double>(), Escape(reason));
@@ -745,8 +750,7 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
       from_file.layers.push_back(ls);
     }
     shown = &from_file;
-    shown_name = absl::StrCat("the scales file (", in.scales->observer,
-                              " per ",
+    shown_name = absl::StrCat("the scales file (", in.scales->observer, " per ",
                               GranularityName(in.scales->granularity), ")");
   } else {
     for (const Estimate& e : estimates) {
@@ -777,10 +781,10 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
     for (const LayerScales& l : shown->layers) layers.push_back(l.layer);
     for (int r = 0; r < 3; ++r) {
       absl::StrAppend(
-          &body, Heatmap(absl::StrCat("heatmap-scale-", kRoleNames[r]),
-                         absl::StrCat(kRoleNames[r], "_scale"),
-                         ScaleMatrix(*shown, kRoles[r]), layers, true,
-                         figures));
+          &body,
+          Heatmap(absl::StrCat("heatmap-scale-", kRoleNames[r]),
+                  absl::StrCat(kRoleNames[r], "_scale"),
+                  ScaleMatrix(*shown, kRoles[r]), layers, true, figures));
     }
     body += "</div>";
     if (g) {
@@ -793,16 +797,17 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
           if (g->collects(kRoles[r])) {
             for (uint32_t h = 0; h < g->heads(kRoles[r]); ++h) {
               const HeadStatistics& hs = in.statistics->head(l, kRoles[r], h);
-              row.push_back(hs.finite_count ? hs.absmax()
-                                            : std::numeric_limits<
-                                                  double>::quiet_NaN());
+              row.push_back(hs.finite_count
+                                ? hs.absmax()
+                                : std::numeric_limits<double>::quiet_NaN());
             }
           }
           amax[r].push_back(std::move(row));
         }
       }
-      body += "<p>Calibration |x| maxima per layer and head.</p><div "
-              "class=\"row\">";
+      body +=
+          "<p>Calibration |x| maxima per layer and head.</p><div "
+          "class=\"row\">";
       for (int r = 0; r < 3; ++r) {
         absl::StrAppend(
             &body, Heatmap(absl::StrCat("heatmap-absmax-", kRoleNames[r]),
@@ -817,12 +822,14 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
   // Histograms with each observer's clip point.
   if (have_estimates) {
     section("histograms", "|x| histograms and clip points");
-    body += "<p>Per layer, summed over heads; log<sub>2</sub> |x| across, "
-            "log count up. Lines: each observer's per-tensor clip point "
-            "(scale &#215; format max); dashed: the calibration maximum.</p>"
-            "<p class=\"legend\">";
+    body +=
+        "<p>Per layer, summed over heads; log<sub>2</sub> |x| across, "
+        "log count up. Lines: each observer's per-tensor clip point "
+        "(scale &#215; format max); dashed: the calibration maximum.</p>"
+        "<p class=\"legend\">";
     for (const ObserverChoice& o : kObservers) {
-      absl::StrAppendFormat(&body, "<span style=\"color:%s\">&#9608; %s</span> ",
+      absl::StrAppendFormat(&body,
+                            "<span style=\"color:%s\">&#9608; %s</span> ",
                             o.color, o.label);
     }
     body += "</p>";
@@ -841,7 +848,8 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
           for (size_t b = 0; b < hs.histogram.size(); ++b) {
             counts[l][b] += hs.histogram[b];
           }
-          if (hs.finite_count) absmax[l] = std::max<double>(absmax[l], hs.absmax());
+          if (hs.finite_count)
+            absmax[l] = std::max<double>(absmax[l], hs.absmax());
         }
         for (uint32_t b = kFirstOctaveBin; b + 1 < counts[l].size(); ++b) {
           if (counts[l][b] == 0) continue;
@@ -868,11 +876,10 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
           }
         }
         absl::StrAppend(
-            &body,
-            HistogramFigure(absl::StrCat("hist-", l, "-", kRoleNames[r]),
-                            absl::StrCat("layer ", l, " ", kRoleNames[r]),
-                            counts[l], log2_bins, x_lo, x_hi, clips,
-                            absmax[l], figures));
+            &body, HistogramFigure(
+                       absl::StrCat("hist-", l, "-", kRoleNames[r]),
+                       absl::StrCat("layer ", l, " ", kRoleNames[r]), counts[l],
+                       log2_bins, x_lo, x_hi, clips, absmax[l], figures));
       }
       body += "</div>";
     }
@@ -882,11 +889,11 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
   // Estimated quantization error per observer.
   OrderedJson estimates_json = OrderedJson::array();
   if (g) {
-    section("estimates",
-            "Quantization error estimated from the statistics");
+    section("estimates", "Quantization error estimated from the statistics");
     if (!have_estimates) {
-      body += "<p>The session has no histograms (created with "
-              "histogram_bins_per_octave = 0): nothing to estimate from.</p>";
+      body +=
+          "<p>The session has no histograms (created with "
+          "histogram_bins_per_octave = 0): nothing to estimate from.</p>";
     } else {
       body +=
           "<p>For every observer and granularity the engine computes the "
@@ -910,10 +917,12 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
                           {"granularity", e.variant->label}};
         std::string sat, sub;
         for (int r = 0; r < 3; ++r) {
-          absl::StrAppend(&body, "<td>", Percent(e.roles[r].mean_error),
-                          " / ", Percent(e.roles[r].max_error), "</td>");
-          absl::StrAppend(&sat, r ? " / " : "", Percent(e.roles[r].saturated, 4));
-          absl::StrAppend(&sub, r ? " / " : "", Percent(e.roles[r].subnormal, 3));
+          absl::StrAppend(&body, "<td>", Percent(e.roles[r].mean_error), " / ",
+                          Percent(e.roles[r].max_error), "</td>");
+          absl::StrAppend(&sat, r ? " / " : "",
+                          Percent(e.roles[r].saturated, 4));
+          absl::StrAppend(&sub, r ? " / " : "",
+                          Percent(e.roles[r].subnormal, 3));
           ej[kRoleNames[r]] = {{"mean_error", e.roles[r].mean_error},
                                {"max_error", e.roles[r].max_error},
                                {"saturated", e.roles[r].saturated},
@@ -922,12 +931,12 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
         absl::StrAppend(&body, "<td>", sat, "</td><td>", sub, "</td></tr>");
         estimates_json.push_back(std::move(ej));
         if (!e.variant->q_per_kv_group) {
-          bars.push_back({absl::StrCat(e.observer->label, " per ",
-                                       e.variant->granularity ==
-                                               Granularity::kPerTensor
-                                           ? "tensor"
-                                           : "head"),
-                          e.kv_error});
+          bars.push_back(
+              {absl::StrCat(e.observer->label, " per ",
+                            e.variant->granularity == Granularity::kPerTensor
+                                ? "tensor"
+                                : "head"),
+               e.kv_error});
         }
       }
       body += "</table><p>Mean relative RMS error of K and V:</p>";
@@ -958,9 +967,8 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
           double base = std::numeric_limits<double>::quiet_NaN();
           if (g && g->collects(kRoles[r]) && h < g->heads(kRoles[r]) &&
               l < g->num_layers) {
-            const HeadStatistics& hs =
-                in.statistics->head(static_cast<uint32_t>(l), kRoles[r],
-                                    static_cast<uint32_t>(h));
+            const HeadStatistics& hs = in.statistics->head(
+                static_cast<uint32_t>(l), kRoles[r], static_cast<uint32_t>(h));
             if (hs.finite_count) base = hs.absmax();
             against = "the calibration maximum of the same head";
           } else if (l < row.scale[r].size() && h < row.scale[r][l].size()) {
@@ -1012,9 +1020,9 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
           "<td>%+.4f / %s / %s</td></tr>",
           &r == chosen_row ? " class=\"chosen\"" : "", Escape(r.name),
           Escape(r.label), Escape(r.granularity), QuantizedName(r.kv_only),
-          QScalesName(r), r.delta_nll, r.perplexity,
-          Percent(r.attention_mean), Percent(r.attention_worst),
-          Percent(r.saturated, 4), Percent(r.subnormal, 3), r.delta_nll_ones,
+          QScalesName(r), r.delta_nll, r.perplexity, Percent(r.attention_mean),
+          Percent(r.attention_worst), Percent(r.saturated, 4),
+          Percent(r.subnormal, 3), r.delta_nll_ones,
           Percent(r.attention_ones_mean), Percent(r.saturated_ones, 4));
     }
     body += "</table></section>";
@@ -1041,9 +1049,8 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
       "flex-wrap:wrap;gap:8px}figure{margin:4px}figcaption{font-size:11px;"
       "text-align:center}.axis{font-size:9px;fill:#333}.rec{font-size:16px}"
       ".note{color:#a33}</style></head><body><h1>",
-      Escape(in.title), "</h1><p>", source,
-      " &#8212; format ", FormatName(in.format), "</p>", body,
-      "</body></html>\n");
+      Escape(in.title), "</h1><p>", source, " &#8212; format ",
+      FormatName(in.format), "</p>", body, "</body></html>\n");
   report.summary = {{"recommendation", rec},
                     {"estimates", estimates_json},
                     {"figures", figures}};

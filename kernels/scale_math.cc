@@ -341,8 +341,7 @@ class ValueModel {
              uint32_t log2_bins_per_octave) {
     absmax_ = StaticAbsmax(heads);
     const size_t bins = heads[0]->histogram.size();
-    const uint32_t overflow_bin =
-        HistogramBinCount(log2_bins_per_octave) - 1;
+    const uint32_t overflow_bin = HistogramBinCount(log2_bins_per_octave) - 1;
     std::vector<int64_t> residual(bins, 0);
     std::vector<int64_t> own(bins, 0);
     for (const HeadStatistics* h : heads) {
@@ -506,10 +505,9 @@ QuantizationEstimate EstimateQuantization(
       static_cast<double>(scale) * FormatMax(format) * (1.0 + 0x1p-20);
   out.saturated_share =
       model.CountBetween(clip, std::numeric_limits<double>::infinity()) / n;
-  out.subnormal_share =
-      model.CountBetween(0.0, static_cast<double>(scale) *
-                                  FormatMinNormal(format)) /
-      n;
+  out.subnormal_share = model.CountBetween(0.0, static_cast<double>(scale) *
+                                                    FormatMinNormal(format)) /
+                        n;
   return out;
 }
 

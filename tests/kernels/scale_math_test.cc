@@ -636,10 +636,9 @@ TEST(EstimateQuantizationTest, MatchesRawValues) {
     EXPECT_NEAR(e.subnormal_share, subnormal / n, 0.002);
   }
   // The static scale saturates nothing; half the range does.
-  EXPECT_EQ(EstimateQuantization({&h, 1},
-                                 ScaleFromRange(absmax, 1.0f,
-                                                Format::kFp8E4m3fn),
-                                 Format::kFp8E4m3fn, 6)
+  EXPECT_EQ(EstimateQuantization(
+                {&h, 1}, ScaleFromRange(absmax, 1.0f, Format::kFp8E4m3fn),
+                Format::kFp8E4m3fn, 6)
                 .saturated_share,
             0.0);
   // No histograms: nothing to estimate from.
