@@ -144,6 +144,11 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--alpha", type=float, default=64.0)
     ap.add_argument("--json-dir")
+    ap.add_argument("--only", choices=["original", "large-keys"],
+                    help="one of the two models (default: both)")
+    ap.add_argument("--large-keys-observers", default="",
+                    help="comma-separated labels (e.g. 'static_minmax,mse,percentile 99.9'); "
+                         "default: all")
     a = ap.parse_args()
     if a.json_dir:
         os.makedirs(a.json_dir, exist_ok=True)
@@ -158,7 +163,13 @@ def main():
           f"(GPL-2, Apache-2.0)\n")
     worker = Worker(tempfile.mkdtemp(prefix="kvcal-quality-")).start()
     try:
-        for variant in ("original", "large keys"):
+        wanted = [v for v in ("original", "large keys")
+                  if a.only is None or a.only == v.replace(" ", "-")]
+        for variant in wanted:
+            observers = OBSERVERS
+            if variant == "large keys" and a.large_keys_observers:
+                labels = a.large_keys_observers.split(",")
+                observers = [o for o in OBSERVERS if o[2] in labels]
             if variant == "large keys":
                 kvcal.torch.rescale_keys(model, a.alpha)
                 print(f"\n## Large keys: K projection x {a.alpha:g}, Q projection / {a.alpha:g}\n")
@@ -170,7 +181,7 @@ def main():
             print(f"calibration |K| max {kmax:.1f}\n")
             # The large-key variant: q per query head left out (its question
             # is whether scale 1.0 saturates, not q's granularity).
-            rows = table(client, model, ev, json_dir=a.json_dir,
+            rows = table(client, model, ev, observers=observers, json_dir=a.json_dir,
                          q_per_head_too=variant == "original",
                          prefix="" if variant == "original" else "large-keys ")
             client.delete()
