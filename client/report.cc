@@ -753,17 +753,21 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
     shown_name = absl::StrCat("the scales file (", in.scales->observer, " per ",
                               GranularityName(in.scales->granularity), ")");
   } else {
-    for (const Estimate& e : estimates) {
-      const bool head = e.variant->granularity == Granularity::kPerHead;
-      const std::string observer(ObserverName(e.observer->observer));
-      if (rec["observer"] == observer &&
-          (rec.contains("label")
-               ? rec["label"] == std::string(e.observer->label)
-               : true) &&
-          !e.variant->q_per_kv_group && head) {
-        shown = &e.scales;
-        shown_name = absl::StrCat(e.observer->label, " per head");
-        break;
+    // The recommended observer per head (its label first: percentile 99.9
+    // and 99.99 share an observer name).
+    for (bool by_label : {true, false}) {
+      for (const Estimate& e : estimates) {
+        if (shown) break;
+        const bool head = e.variant->granularity == Granularity::kPerHead;
+        const std::string observer(ObserverName(e.observer->observer));
+        const bool label_ok =
+            !by_label || (rec.contains("label") &&
+                          rec["label"] == std::string(e.observer->label));
+        if (rec["observer"] == observer && label_ok && head &&
+            !e.variant->q_per_kv_group) {
+          shown = &e.scales;
+          shown_name = absl::StrCat(e.observer->label, " per head");
+        }
       }
     }
     if (!shown && !estimates.empty()) {
