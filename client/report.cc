@@ -579,9 +579,10 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
   const EvaluationRow* chosen_row = nullptr;
   if (!evaluations.empty()) {
     // Per kind (K/V only, Q/K/V): the simplest row (static min-max per
-    // tensor, when evaluated), replaced only by a row whose loss is lower
-    // by more than kSignificantNats: on a few thousand evaluation tokens
-    // smaller differences are within the run-to-run spread.
+    // tensor, when evaluated), replaced by the lowest-loss row only when its
+    // loss is lower by more than kSignificantNats (on a few thousand
+    // evaluation tokens smaller differences are run-to-run spread) and its
+    // mean attention error is not larger.
     const auto simplest_or_best = [&](bool kv) -> const EvaluationRow* {
       const EvaluationRow* base = nullptr;
       const EvaluationRow* best = nullptr;
@@ -594,7 +595,12 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
         }
       }
       if (!base) return best;
-      return best->delta_nll < base->delta_nll - kSignificantNats ? best : base;
+      // A lower loss with a larger attention error is not trusted: on this
+      // few tokens the loss moves by chance, the attention error does not.
+      return best->delta_nll < base->delta_nll - kSignificantNats &&
+                     best->attention_mean <= base->attention_mean
+                 ? best
+                 : base;
     };
     const EvaluationRow* best_kv = simplest_or_best(true);
     const EvaluationRow* best_qkv = simplest_or_best(false);
@@ -625,7 +631,7 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
                   kSignificantNats)
             : absl::StrFormat(
                   "it lowers the loss by more than %.3f nats/token against "
-                  "static min-max per tensor",
+                  "static min-max per tensor, at no larger attention error",
                   kSignificantNats);
     if (best->delta_nll_ones > best->delta_nll + kSignificantNats) {
       absl::StrAppendFormat(&granularity_why,
