@@ -1,9 +1,12 @@
 // kvcal: the user's side of kvcal. Subcommands create, push, status,
-// finalize, patch, inspect, calibrate and demo; see client/README.md.
+// finalize, patch, inspect, calibrate, report and demo; see client/README.md.
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -18,6 +21,7 @@
 #include "client/checkpoint_patcher.h"
 #include "client/connection.h"
 #include "client/kvcal_cli.h"
+#include "client/report.h"
 #include "kernels/scale_math.h"
 #include "proto/names.h"
 #include "util/status_macros.h"
@@ -75,6 +79,9 @@ struct Args {
   // kvcal inspect: the vLLM run to predict.
   std::string kv_cache_dtype = "auto";
   std::string platform = "cuda";
+  // kvcal report: evaluation results (kvcal.torch.evaluate JSON files).
+  std::vector<std::string> evaluations;
+  std::string report_format = "fp8-e4m3fn";
   DemoArgs demo;
 };
 
@@ -397,6 +404,106 @@ absl::StatusOr<CommandResult> RunCalibrate(Args a) {
                        inspect.ok() ? 0 : 1};
 }
 
+// The session's statistics merged over every worker that holds a part.
+absl::StatusOr<SessionStatistics> ExportStatistics(CalibrationClient& client,
+                                                   const std::string& session) {
+  std::optional<SessionStatistics> merged;
+  for (size_t i = 0; i < client.worker_count(); ++i) {
+    grpc::ClientContext context;
+    PrepareContext(context, client.connection(), absl::Seconds(300));
+    v1::ExportStateRequest request;
+    request.set_session_id(session);
+    v1::SessionState state;
+    const grpc::Status status =
+        client.stub(i).ExportState(&context, request, &state);
+    if (!status.ok()) {
+      return ToAbslStatus(status,
+                          absl::StrCat("ExportState on ", client.endpoint(i)));
+    }
+    absl::StatusOr<SessionStatistics> stats =
+        SessionStatistics::Deserialize(state.statistics());
+    if (!stats.ok()) {
+      return absl::DataLossError(absl::StrCat(
+          "session ", session, " on ", client.endpoint(i),
+          ": its statistics do not decode: ", stats.status().message()));
+    }
+    if (!merged) {
+      merged = std::move(*stats);
+    } else {
+      KVCAL_RETURN_IF_ERROR(merged->Merge(*stats));
+    }
+  }
+  return std::move(*merged);
+}
+
+absl::StatusOr<CommandResult> RunReport(const Args& a) {
+  ReportInputs in;
+  if (a.session.empty() && a.scales.empty()) {
+    return absl::InvalidArgumentError(
+        "give a session (--server and --session) or a scales file "
+        "(--scales)");
+  }
+  KVCAL_ASSIGN_OR_RETURN(v1::Format format, ParseFormat(a.report_format));
+  in.format = static_cast<Format>(format);
+  std::vector<std::string> sources;
+  if (!a.session.empty()) {
+    if (a.connection.servers.empty()) {
+      return absl::InvalidArgumentError("--session needs --server");
+    }
+    KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
+    KVCAL_ASSIGN_OR_RETURN(in.statistics, ExportStatistics(client, a.session));
+    sources.push_back(absl::StrCat("session ", a.session, " on ",
+                                   absl::StrJoin(a.connection.servers, ",")));
+  }
+  if (!a.scales.empty()) {
+    KVCAL_ASSIGN_OR_RETURN(in.scales, ReadScalesFile(a.scales));
+    sources.push_back(absl::StrCat("scales file ", a.scales));
+  }
+  in.source = absl::StrJoin(sources, "; ");
+  for (const std::string& path : a.evaluations) {
+    std::ifstream f(path);
+    if (!f) {
+      return absl::NotFoundError(
+          absl::StrCat("evaluation ", path, ": cannot open it"));
+    }
+    std::stringstream text;
+    text << f.rdbuf();
+    nlohmann::json j = nlohmann::json::parse(text.str(), nullptr,
+                                             /*allow_exceptions=*/false);
+    if (j.is_discarded()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("evaluation ", path, ": not valid JSON"));
+    }
+    in.evaluations.push_back({path, std::move(j)});
+  }
+  KVCAL_ASSIGN_OR_RETURN(Report report, BuildReport(in));
+  const std::string tmp = a.output + ".partial";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << report.html;
+    out.close();
+    if (!out) {
+      return absl::InternalError(absl::StrCat("cannot write ", tmp));
+    }
+  }
+  if (std::rename(tmp.c_str(), a.output.c_str()) != 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", tmp, " to ", a.output));
+  }
+  const Json& rec = report.summary["recommendation"];
+  if (!a.json) {
+    std::cout << "recommendation: " << rec["observer"].get<std::string>()
+              << " per " << rec["granularity"].get<std::string>()
+              << (rec["quantize"] == "k_v" ? ", K and V" : ", Q, K and V")
+              << ", margin " << rec["margin"].get<double>() << "\n  "
+              << rec["reason"].get<std::string>() << "\nwrote " << a.output
+              << " (" << report.summary["figures"].size() << " figures)\n";
+  }
+  Json out = report.summary;
+  out["output"] = a.output;
+  return CommandResult{out};
+}
+
 int Main(int argc, char** argv) {
   CLI::App app{
       "kvcal: calibrate FP8 KV-cache (and query) scales with kvcal "
@@ -517,6 +624,41 @@ int Main(int argc, char** argv) {
       ->required();
   json_flag(calibrate);
 
+  CLI::App* report = app.add_subcommand(
+      "report",
+      "write a self-contained HTML report: scales, histograms with each "
+      "observer's clip point, estimated errors, evaluation results and a "
+      "recommendation");
+  report
+      ->add_option("--server", a.connection.servers,
+                   "worker host:port (with --session); several for a "
+                   "sharded session")
+      ->envname("KVCAL_SERVER")
+      ->delimiter(',');
+  report
+      ->add_option("--auth-token-file", a.connection.auth_token_file,
+                   "file holding the bearer token the workers expect")
+      ->envname("KVCAL_AUTH_TOKEN_FILE");
+  report->add_option("--tls-ca", a.connection.tls_ca, "PEM CA bundle");
+  report->add_option("--tls-cert", a.connection.tls_cert,
+                     "PEM client certificate");
+  report->add_option("--tls-key", a.connection.tls_key, "PEM client key");
+  report->add_option("--session", a.session,
+                     "a live session: its statistics (histograms, maxima)");
+  report->add_option("--scales", a.scales,
+                     "a scales file from finalize (without a session: the "
+                     "scales only)");
+  report->add_option("--eval", a.evaluations,
+                     "kvcal.torch.evaluate results (Evaluation.to_json); "
+                     "repeat for several");
+  report
+      ->add_option("--format", a.report_format,
+                   "fp8-e4m3fn|fp8-e4m3fnuz|fp8-e5m2|int8")
+      ->capture_default_str();
+  report->add_option("-o,--output", a.output, "report.html to write")
+      ->required();
+  json_flag(report);
+
   CLI::App* demo = app.add_subcommand(
       "demo", "start a local worker, calibrate a generated model end to end");
   demo->add_option("--dir", a.demo.dir,
@@ -542,6 +684,7 @@ int Main(int argc, char** argv) {
   if (chosen == patch) result = RunPatch(a);
   if (chosen == inspect) result = RunInspect(a);
   if (chosen == calibrate) result = RunCalibrate(a);
+  if (chosen == report) result = RunReport(a);
   if (chosen == demo) {
     a.demo.json = a.json;
     result = RunDemo(a.demo);

@@ -27,6 +27,20 @@ float FormatMax(Format format) {
   return 448.0f;
 }
 
+float FormatMinNormal(Format format) {
+  switch (format) {
+    case Format::kFp8E4m3fn:
+      return 0x1p-6f;
+    case Format::kFp8E4m3fnuz:
+      return 0x1p-7f;
+    case Format::kFp8E5m2:
+      return 0x1p-14f;
+    case Format::kInt8:
+      return 0.0f;
+  }
+  return 0x1p-6f;
+}
+
 float RoundToFormat(float q, Format format) {
   if (format == Format::kInt8) return std::nearbyint(q);
   int mantissa_bits = 3;
@@ -282,79 +296,139 @@ double RoundingErrorIntegral(double lo, double hi, double qmax, Format format,
 
 }  // namespace
 
+namespace {
+
+// What the statistics of a set of heads say about their |x| values, for
+// evaluating an error sum at any scale: the exactly kept values (every head's
+// tail) and the rest of the non-zero values as intervals [lo, hi] with a
+// count, spread evenly over each (a histogram bin less the kept values,
+// capped at the head's smallest kept value when the head kept only part of
+// its values: every value it did not keep is at most that). Values in the
+// zero bin carry no error at any scale and are left out.
+class ValueModel {
+ public:
+  ValueModel(std::span<const HeadStatistics* const> heads,
+             uint32_t log2_bins_per_octave) {
+    absmax_ = StaticAbsmax(heads);
+    const size_t bins = heads[0]->histogram.size();
+    const uint32_t overflow_bin = HistogramBinCount(log2_bins_per_octave) - 1;
+    std::vector<int64_t> residual(bins, 0);
+    std::vector<int64_t> own(bins, 0);
+    for (const HeadStatistics* h : heads) {
+      std::fill(own.begin(), own.end(), 0);
+      for (uint32_t bin = 0; bin < bins; ++bin) {
+        own[bin] = static_cast<int64_t>(h->histogram[bin]);
+      }
+      for (float v : h->tail) {
+        if (v != 0.0f) points_.push_back({v, 1.0});
+        --own[HistogramBin(v, log2_bins_per_octave)];
+      }
+      uint32_t cap_bin = static_cast<uint32_t>(bins);  // none
+      if (h->finite_count > h->tail.size() && !h->tail.empty()) {
+        cap_bin = HistogramBin(h->tail.back(), log2_bins_per_octave);
+      }
+      for (uint32_t bin = 0; bin < bins; ++bin) {
+        if (own[bin] <= 0) continue;
+        if (bin == cap_bin && bin > kUnderflowBin && bin < overflow_bin) {
+          intervals_.push_back(
+              {HistogramBinLowerEdge(bin, log2_bins_per_octave),
+               std::min<double>(h->tail.back(), absmax_),
+               static_cast<double>(own[bin])});
+        } else {
+          residual[bin] += own[bin];
+        }
+      }
+    }
+    for (uint32_t bin = 1; bin < bins; ++bin) {  // zero bin has no error
+      if (residual[bin] <= 0) continue;
+      const double count = static_cast<double>(residual[bin]);
+      if (bin == kUnderflowBin || bin == overflow_bin) {
+        // Below 2^-24 (error ~0 at any scale) or at 2^24 and above: a point.
+        const float at =
+            bin == overflow_bin
+                ? HistogramBinLowerEdge(bin, log2_bins_per_octave)
+                : 0.5f * HistogramBinUpperEdge(bin, log2_bins_per_octave);
+        points_.push_back({std::min(at, absmax_), count});
+        continue;
+      }
+      intervals_.push_back(
+          {HistogramBinLowerEdge(bin, log2_bins_per_octave),
+           std::min<double>(HistogramBinUpperEdge(bin, log2_bins_per_octave),
+                            absmax_),
+           count});
+    }
+  }
+
+  float absmax() const { return absmax_; }
+
+  // Sum over all values of |FakeQuantize(x, scale) - x|^norm: exact for the
+  // kept values, integrated over each interval (CONTRACT.md "MSE").
+  double Error(float scale, Format format, double norm) const {
+    const double qmax = FormatMax(format);
+    double error = 0.0;
+    for (const Point& point : points_) {
+      const float diff =
+          std::fabs(FakeQuantize(point.value, scale, format) - point.value);
+      if (diff != 0.0f) error += point.weight * std::pow(double{diff}, norm);
+    }
+    // Mean error over an interval: (s^(n+1) / (hi - lo)) * the q-space
+    // integral over [lo / s, hi / s].
+    const double s = scale;
+    const double s_power = std::pow(s, norm + 1.0);
+    for (const Interval& in : intervals_) {
+      if (in.hi <= in.lo) {  // a single value
+        const float v = static_cast<float>(in.lo);
+        const float diff = std::fabs(FakeQuantize(v, scale, format) - v);
+        if (diff != 0.0f) error += in.count * std::pow(double{diff}, norm);
+        continue;
+      }
+      const double integral =
+          RoundingErrorIntegral(in.lo / s, in.hi / s, qmax, format, norm);
+      error += in.count * s_power * integral / (in.hi - in.lo);
+    }
+    return error;
+  }
+
+  // How many non-zero values lie in (lo, hi) (intervals counted by the
+  // share of their length).
+  double CountBetween(double lo, double hi) const {
+    double n = 0.0;
+    for (const Point& point : points_) {
+      if (point.value > lo && point.value < hi) n += point.weight;
+    }
+    for (const Interval& in : intervals_) {
+      if (in.hi <= in.lo) {
+        if (in.lo > lo && in.lo < hi) n += in.count;
+        continue;
+      }
+      const double overlap = std::min(hi, in.hi) - std::max(lo, in.lo);
+      if (overlap > 0.0) n += in.count * overlap / (in.hi - in.lo);
+    }
+    return n;
+  }
+
+ private:
+  struct Point {
+    float value;
+    double weight;
+  };
+  struct Interval {
+    double lo, hi, count;
+  };
+  float absmax_ = 0.0f;
+  std::vector<Point> points_;
+  std::vector<Interval> intervals_;
+};
+
+}  // namespace
+
 float MseRange(std::span<const HeadStatistics* const> heads,
                const ScaleOptions& options, uint32_t log2_bins_per_octave) {
   const float absmax = StaticAbsmax(heads);
   const int steps = static_cast<int>(std::floor(
       static_cast<double>(options.mse_max_shrink) * options.mse_grid));
   if (steps <= 0 || absmax == 0.0f) return absmax;
-
-  // Exact values: every head's kept tail. The rest of the distribution: the
-  // histogram less those values, as intervals [lo, hi] with a count, the
-  // values taken as spread evenly over each (a bin, capped at the head's
-  // smallest kept value when the head kept only part of its values: every
-  // value it did not keep is at most that).
-  std::vector<float> exact;
-  const size_t bins = heads[0]->histogram.size();
-  const uint32_t overflow_bin = HistogramBinCount(log2_bins_per_octave) - 1;
-  std::vector<int64_t> residual(bins, 0);
-  struct Interval {
-    double lo, hi, count;
-  };
-  std::vector<Interval> intervals;
-  std::vector<int64_t> own(bins, 0);
-  for (const HeadStatistics* h : heads) {
-    std::fill(own.begin(), own.end(), 0);
-    for (uint32_t bin = 0; bin < bins; ++bin) {
-      own[bin] = static_cast<int64_t>(h->histogram[bin]);
-    }
-    for (float v : h->tail) {
-      exact.push_back(v);
-      --own[HistogramBin(v, log2_bins_per_octave)];
-    }
-    uint32_t cap_bin = static_cast<uint32_t>(bins);  // none
-    if (h->finite_count > h->tail.size() && !h->tail.empty()) {
-      cap_bin = HistogramBin(h->tail.back(), log2_bins_per_octave);
-    }
-    for (uint32_t bin = 0; bin < bins; ++bin) {
-      if (own[bin] <= 0) continue;
-      if (bin == cap_bin && bin > kUnderflowBin && bin < overflow_bin) {
-        intervals.push_back({HistogramBinLowerEdge(bin, log2_bins_per_octave),
-                             std::min<double>(h->tail.back(), absmax),
-                             static_cast<double>(own[bin])});
-      } else {
-        residual[bin] += own[bin];
-      }
-    }
-  }
-  struct Point {
-    float value;
-    double weight;
-  };
-  std::vector<Point> points;
-  points.reserve(exact.size() + 2);
-  for (float v : exact) points.push_back({v, 1.0});
-  for (uint32_t bin = 1; bin < bins; ++bin) {  // zero bin has no error
-    if (residual[bin] <= 0) continue;
-    const double count = static_cast<double>(residual[bin]);
-    if (bin == kUnderflowBin || bin == overflow_bin) {
-      // Below 2^-24 (error ~0 at any scale) or at 2^24 and above: a point.
-      const float at =
-          bin == overflow_bin
-              ? HistogramBinLowerEdge(bin, log2_bins_per_octave)
-              : 0.5f * HistogramBinUpperEdge(bin, log2_bins_per_octave);
-      points.push_back({std::min(at, absmax), count});
-      continue;
-    }
-    intervals.push_back(
-        {HistogramBinLowerEdge(bin, log2_bins_per_octave),
-         std::min<double>(HistogramBinUpperEdge(bin, log2_bins_per_octave),
-                          absmax),
-         count});
-  }
-
-  const double norm = options.mse_norm;
-  const double qmax = FormatMax(options.format);
+  const ValueModel model(heads, log2_bins_per_octave);
   double best = std::numeric_limits<double>::max();
   float best_range = absmax;
   for (int i = 0; i < steps; ++i) {
@@ -362,28 +436,7 @@ float MseRange(std::span<const HeadStatistics* const> heads,
         1.0 - static_cast<double>(i) / static_cast<double>(options.mse_grid));
     const float range = p * absmax;
     const float scale = ScaleFromRange(range, 1.0f, options.format);
-    double error = 0.0;
-    for (const Point& point : points) {
-      const float diff = std::fabs(
-          FakeQuantize(point.value, scale, options.format) - point.value);
-      if (diff != 0.0f) error += point.weight * std::pow(double{diff}, norm);
-    }
-    // Mean error over an interval: (s^(n+1) / (hi - lo)) * the q-space
-    // integral over [lo / s, hi / s].
-    const double s = scale;
-    const double s_power = std::pow(s, norm + 1.0);
-    for (const Interval& in : intervals) {
-      if (in.hi <= in.lo) {  // a single value
-        const float v = static_cast<float>(in.lo);
-        const float diff =
-            std::fabs(FakeQuantize(v, scale, options.format) - v);
-        if (diff != 0.0f) error += in.count * std::pow(double{diff}, norm);
-        continue;
-      }
-      const double integral = RoundingErrorIntegral(in.lo / s, in.hi / s, qmax,
-                                                    options.format, norm);
-      error += in.count * s_power * integral / (in.hi - in.lo);
-    }
+    const double error = model.Error(scale, options.format, options.mse_norm);
     // Every step of the grid, no early stop (mse_patience is validated but
     // not used here): llm-compressor stops after `patience` steps without
     // improvement because each of its evaluations is a pass over a batch;
@@ -398,6 +451,34 @@ float MseRange(std::span<const HeadStatistics* const> heads,
     }
   }
   return best_range;
+}
+
+QuantizationEstimate EstimateQuantization(
+    std::span<const HeadStatistics* const> heads, float scale, Format format,
+    uint32_t log2_bins_per_octave) {
+  QuantizationEstimate out;
+  uint64_t finite = 0;
+  double sum_squares = 0.0;
+  for (const HeadStatistics* h : heads) {
+    finite += h->finite_count;
+    sum_squares += h->sum_squares;
+  }
+  if (finite == 0 || heads[0]->histogram.empty()) return out;
+  const ValueModel model(heads, log2_bins_per_octave);
+  const double n = static_cast<double>(finite);
+  const double error = model.Error(scale, format, 2.0);
+  out.relative_rms_error =
+      sum_squares > 0.0 ? std::sqrt(error / sum_squares) : 0.0;
+  // A static scale's own absmax divides to a ulp above the format's max:
+  // only beyond float32's rounding of the division counts (as evaluate()).
+  const double clip =
+      static_cast<double>(scale) * FormatMax(format) * (1.0 + 0x1p-20);
+  out.saturated_share =
+      model.CountBetween(clip, std::numeric_limits<double>::infinity()) / n;
+  out.subnormal_share = model.CountBetween(0.0, static_cast<double>(scale) *
+                                                    FormatMinNormal(format)) /
+                        n;
+  return out;
 }
 
 namespace {

@@ -13,9 +13,10 @@
 // MSE, as kvcal computes it: llm-compressor searches the shrink factor on the
 // raw values of each batch; kvcal has no raw values after the fact, so it
 // evaluates the same error sum over all calibration data using each head's
-// 256 exactly kept largest |x| plus the |x| histogram (its counts less the
-// kept values, at bin centres). Patience counts per scale, not jointly over
-// all heads as llm-compressor's tensor-wide torch.any() does.
+// 256 exactly kept largest |x| (exact error) plus the |x| histogram less
+// those values (each bin's error integrated over the bin, the values taken
+// as spread evenly over it), at every step of the grid: no early stop,
+// mse_patience is accepted but unused (CONTRACT.md "MSE").
 #ifndef KVCAL_KERNELS_SCALE_MATH_H_
 #define KVCAL_KERNELS_SCALE_MATH_H_
 
@@ -51,6 +52,8 @@ enum class Format : uint32_t {
 
 // Largest magnitude of the format: 448, 240, 57344, 127.
 float FormatMax(Format format);
+// Smallest normal magnitude: 2^-6, 2^-7, 2^-14; 0 for int8 (no subnormals).
+float FormatMinNormal(Format format);
 
 // Rounds q (already within [-FormatMax, FormatMax]) to the nearest value of
 // the format, ties to even.
@@ -112,6 +115,22 @@ struct ScaleResult {
 // was seen, or when MSE/percentile is asked of statistics without histograms.
 absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
                                           const ScaleOptions& options);
+
+// What quantizing a set of heads with one scale costs, estimated from their
+// statistics the way MSE evaluates its error (exact kept tail, the rest
+// integrated per histogram bin): the relative RMS error
+// sqrt(sum (FakeQuantize(x) - x)^2 / sum x^2), and the shares of values
+// that saturate (|x| > scale * FormatMax beyond float32 rounding) and that
+// fall into the format's subnormals (0 < |x| < scale * FormatMinNormal).
+// All zero when the heads have no histograms or no values.
+struct QuantizationEstimate {
+  double relative_rms_error = 0.0;
+  double saturated_share = 0.0;
+  double subnormal_share = 0.0;
+};
+QuantizationEstimate EstimateQuantization(
+    std::span<const HeadStatistics* const> heads, float scale, Format format,
+    uint32_t log2_bins_per_octave);
 
 // Building blocks, exposed for tests.
 //

@@ -590,6 +590,58 @@ TEST(MseObserverTest, HeavyTailedDataWithinContractTolerance) {
   EXPECT_LE(worst, 1.05);
 }
 
+// EstimateQuantization: the relative RMS error, saturation and subnormal
+// shares the statistics give for a scale, against the same figures computed
+// on the raw values. Heavy-tailed values far beyond the 256 kept per head,
+// so the histogram part carries most of the error.
+TEST(EstimateQuantizationTest, MatchesRawValues) {
+  Rng rng(31);
+  SessionStatistics stats(MakeGeometry(1, 1, 1, 64, 0b001));
+  std::vector<float> values;
+  for (int i = 0; i < 20000; ++i) {
+    values.push_back(static_cast<float>(rng.StudentT(3.0) * 0.05));
+  }
+  AddValues(stats, 0, Role::kQ, 0, 0, values);
+  const HeadStatistics* h = &stats.head(0, Role::kQ, 0);
+  const float absmax = h->absmax();
+  // A scale that clips (0.5 x absmax), the static one, and one so large
+  // that many values fall into e4m3's subnormals.
+  for (float range : {0.5f * absmax, absmax, 512.0f * absmax}) {
+    const float scale = ScaleFromRange(range, 1.0f, Format::kFp8E4m3fn);
+    double error = 0.0, energy = 0.0, saturated = 0.0, subnormal = 0.0;
+    for (float v : values) {
+      const double d = FakeQuantize(v, scale, Format::kFp8E4m3fn) - v;
+      error += d * d;
+      energy += static_cast<double>(v) * v;
+      const double q = std::fabs(v / scale);
+      saturated += q > 448.0 * (1.0 + 0x1p-20);
+      subnormal += q > 0.0 && q < 0x1p-6;
+    }
+    const double n = static_cast<double>(values.size());
+    const QuantizationEstimate e =
+        EstimateQuantization({&h, 1}, scale, Format::kFp8E4m3fn, 6);
+    SCOPED_TRACE(::testing::Message() << "range " << range);
+    EXPECT_NEAR(e.relative_rms_error, std::sqrt(error / energy),
+                0.03 * std::sqrt(error / energy));
+    // Saturation is decided among the kept values here: exact.
+    EXPECT_DOUBLE_EQ(e.saturated_share, saturated / n);
+    EXPECT_NEAR(e.subnormal_share, subnormal / n, 0.002);
+  }
+  // The static scale saturates nothing; half the range does.
+  EXPECT_EQ(EstimateQuantization(
+                {&h, 1}, ScaleFromRange(absmax, 1.0f, Format::kFp8E4m3fn),
+                Format::kFp8E4m3fn, 6)
+                .saturated_share,
+            0.0);
+  // No histograms: nothing to estimate from.
+  SessionStatistics plain(MakeGeometry(1, 1, 1, 0, 0b001));
+  AddValues(plain, 0, Role::kQ, 0, 0, values);
+  const HeadStatistics* p = &plain.head(0, Role::kQ, 0);
+  EXPECT_EQ(EstimateQuantization({&p, 1}, 1.0f, Format::kFp8E4m3fn, 0)
+                .relative_rms_error,
+            0.0);
+}
+
 TEST(MseObserverTest, NeedsHistograms) {
   SessionStatistics stats(MakeGeometry(1, 1, 1, 0));
   FillAll(stats);

@@ -117,6 +117,13 @@ class Evaluation:
     subnormal_ones: Dict[str, np.ndarray]
     absmax: Dict[str, np.ndarray]
     runs: Dict[str, RunFigures] = field(default_factory=dict)
+    # The finalize options the scales were made with (Scales.metadata's
+    # observer_options: percentile, margin, ...), and a free label.
+    options: Dict[str, object] = field(default_factory=dict)
+    label: str = ""
+    # The scales applied, per role [layers, heads] (q per query head, after
+    # any reduction per KV group); NaN where a role had no scale.
+    scales: Dict[str, np.ndarray] = field(default_factory=dict)
 
     def delta_nll(self, run: str = "calibrated") -> float:
         return self.runs[run].nll - self.runs["reference"].nll
@@ -142,6 +149,7 @@ class Evaluation:
             "granularity": self.granularity, "observer": self.observer,
             "kv_only": self.kv_only, "quantize_probs": self.quantize_probs,
             "q_per_kv_group": self.q_per_kv_group,
+            "options": self.options, "label": self.label,
             "attention_error": arr(self.attention_error),
             "attention_error_ones": arr(self.attention_error_ones),
             "saturation": {k: arr(v) for k, v in self.saturation.items()},
@@ -149,6 +157,8 @@ class Evaluation:
             "saturation_ones": {k: arr(v) for k, v in self.saturation_ones.items()},
             "subnormal_ones": {k: arr(v) for k, v in self.subnormal_ones.items()},
             "absmax": {k: arr(v) for k, v in self.absmax.items()},
+            "scales": {k: [[None if math.isnan(x) else float(x) for x in row] for row in v]
+                       for k, v in self.scales.items()},
             "runs": {k: {"nll": v.nll, "perplexity": v.perplexity, "tokens": v.tokens}
                      for k, v in self.runs.items()},
         }
@@ -214,6 +224,17 @@ class _Quantizer:
         self.err[layer] += d.pow(2).sum(dim=(0, 2)).double().numpy()
         self.ref[layer] += ref[keep].pow(2).sum(dim=(0, 2)).double().numpy()
         return out.to(q.dtype), None
+
+    def applied_scales(self):
+        out = {}
+        for role in "qkv":
+            rows = []
+            for layer in range(self.layers):
+                s = self.scales[(layer, role)]
+                n = self.heads if role == "q" else self.kv_heads
+                rows.append(np.full(n, np.nan) if s is None else s.reshape(-1).double().numpy())
+            out[role] = np.stack(rows)
+        return out
 
     def shares(self):
         sat = {r: self.sat[r] / np.maximum(self.count[r], 1) for r in "qkv"}
@@ -286,12 +307,19 @@ def _nll(model, batches) -> RunFigures:
 
 def evaluate(model, scales, batches: Iterable, *, kv_only: bool = False,
              quantize_probs: bool = False, q_per_kv_group: bool = True,
-             reference: Optional[RunFigures] = None) -> Evaluation:
+             reference: Optional[RunFigures] = None,
+             ones: Optional["Evaluation"] = None) -> Evaluation:
     """Measures FP8 Q/K/V under `scales` (a kvcal.Scales or any mapping of
     checkpoint scale names to arrays) on `batches`; see the module docs.
     Pass `reference` (a previous result's runs["reference"]) to skip the
-    unquantized run on the same batches."""
+    unquantized run on the same batches, and `ones` (a previous result on the
+    same batches with the same kv_only and quantize_probs) to reuse its
+    scale-1.0 run."""
     batches = list(batches)
+    if ones is not None and (ones.kv_only, ones.quantize_probs) != (kv_only, quantize_probs):
+        raise ValueError(f"kvcal.evaluate: `ones` was measured with kv_only={ones.kv_only}, "
+                         f"quantize_probs={ones.quantize_probs}; this run has kv_only={kv_only}, "
+                         f"quantize_probs={quantize_probs}")
     runs: Dict[str, RunFigures] = {}
     with _eager(model):
         if reference is None:
@@ -300,17 +328,26 @@ def evaluate(model, scales, batches: Iterable, *, kv_only: bool = False,
         calibrated = _Quantizer(model, scales, kv_only, quantize_probs, q_per_kv_group)
         with _installed(model, calibrated):
             runs["calibrated"] = _nll(model, batches)
-        ones = _Quantizer(model, None, kv_only, quantize_probs, q_per_kv_group)
-        with _installed(model, ones):
-            runs["ones"] = _nll(model, batches)
+        if ones is None:
+            at_one = _Quantizer(model, None, kv_only, quantize_probs, q_per_kv_group)
+            with _installed(model, at_one):
+                runs["ones"] = _nll(model, batches)
+            sat1, sub1, err1 = at_one.shares()
+        else:
+            runs["ones"] = ones.runs["ones"]
+            sat1, sub1, err1 = ones.saturation_ones, ones.subnormal_ones, ones.attention_error_ones
     sat, sub, err = calibrated.shares()
-    sat1, sub1, err1 = ones.shares()
+    try:
+        options = json.loads(getattr(scales, "metadata", {}).get("observer_options", "{}"))
+    except (TypeError, ValueError):
+        options = {}
     return Evaluation(
         granularity=getattr(scales, "granularity", "tensor"),
         observer=getattr(scales, "observer", "?"), kv_only=kv_only,
         quantize_probs=quantize_probs, q_per_kv_group=q_per_kv_group,
         attention_error=err, attention_error_ones=err1, saturation=sat, subnormal=sub,
-        saturation_ones=sat1, subnormal_ones=sub1, absmax=calibrated.amax, runs=runs)
+        saturation_ones=sat1, subnormal_ones=sub1, absmax=calibrated.amax, runs=runs,
+        options=options, scales=calibrated.applied_scales())
 
 
 def rescale_keys(model, alpha: float):
