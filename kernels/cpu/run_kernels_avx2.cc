@@ -482,6 +482,7 @@ void Avx2Dispatch(const void* data, size_t rows, size_t stride, size_t heads,
 // The 16-bit loop (run_kernels_16bit.inc) on 16 float lanes held as two
 // AVX2 registers: lanes 0..7 in lo, 8..15 in hi.
 struct V {
+  static constexpr size_t kInterleave = 8;
   struct F {
     __m256 lo;
     __m256 hi;
@@ -595,22 +596,33 @@ struct V {
   }
   static float MinLane(F x) { return HorizontalMin(_mm256_min_ps(x.lo, x.hi)); }
   static float MaxLane(F x) { return HorizontalMax(_mm256_max_ps(x.lo, x.hi)); }
-  static __attribute__((always_inline)) void Slots(F x, const Bins& b,
-                                                   uint32_t* out) {
+  // Counts 16 values into the sub-histograms; the indices leave the
+  // registers through 64-bit extracts (see Avx2RowsGroup).
+  template <int kDelta>
+  static __attribute__((always_inline)) void Count(F x, const Bins& b,
+                                                   uint32_t* sub) {
     const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-    const __m256i lo = _mm256_and_si256(_mm256_castps_si256(x.lo), abs_mask);
-    const __m256i hi = _mm256_and_si256(_mm256_castps_si256(x.hi), abs_mask);
-    const __m256i overflow = b.overflow;
-    _mm256_storeu_si256(
-        reinterpret_cast<__m256i*>(out),
-        _mm256_or_si256(
-            _mm256_slli_epi32(Bins8(lo, b.shift, b.offset, overflow), 3),
-            b.lane));
-    _mm256_storeu_si256(
-        reinterpret_cast<__m256i*>(out + 8),
-        _mm256_or_si256(
-            _mm256_slli_epi32(Bins8(hi, b.shift, b.offset, overflow), 3),
-            b.lane));
+    for (__m256 half : {x.lo, x.hi}) {
+      const __m256i abs_bits =
+          _mm256_and_si256(_mm256_castps_si256(half), abs_mask);
+      const __m256i slot = _mm256_or_si256(
+          _mm256_slli_epi32(Bins8(abs_bits, b.shift, b.offset, b.overflow), 3),
+          b.lane);
+      const __m128i lo = _mm256_castsi256_si128(slot);
+      const __m128i hi = _mm256_extracti128_si256(slot, 1);
+      const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(lo));
+      const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(lo, 1));
+      const auto p2 = static_cast<uint64_t>(_mm_cvtsi128_si64(hi));
+      const auto p3 = static_cast<uint64_t>(_mm_extract_epi64(hi, 1));
+      sub[static_cast<uint32_t>(p0)] += kDelta;
+      sub[p0 >> 32] += kDelta;
+      sub[static_cast<uint32_t>(p1)] += kDelta;
+      sub[p1 >> 32] += kDelta;
+      sub[static_cast<uint32_t>(p2)] += kDelta;
+      sub[p2 >> 32] += kDelta;
+      sub[static_cast<uint32_t>(p3)] += kDelta;
+      sub[p3 >> 32] += kDelta;
+    }
   }
 };
 

@@ -39,6 +39,7 @@ namespace {
 
 // 16 float lanes in one register.
 struct V {
+  static constexpr size_t kInterleave = 8;
   using F = __m512;
   struct Bins {
     __m128i shift;
@@ -56,7 +57,7 @@ struct V {
         _mm512_set1_epi32(static_cast<int>(HistogramBinCount(log2_bins) - 1));
     b.lane = _mm512_and_si512(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(7));
+        _mm512_set1_epi32(kInterleave - 1));
     return b;
   }
   static __attribute__((always_inline)) F ZeroF() {
@@ -128,10 +129,14 @@ struct V {
   }
   static float MinLane(F x) { return _mm512_reduce_min_ps(x); }
   static float MaxLane(F x) { return _mm512_reduce_max_ps(x); }
-  // The sub-histogram counters of 16 values (element_math.h HistogramBin,
-  // lane-wise, as in run_kernels_avx2.cc Bins8).
-  static __attribute__((always_inline)) void Slots(F x, const Bins& b,
-                                                   uint32_t* out) {
+  // Counts 16 values into the sub-histograms (element_math.h HistogramBin,
+  // lane-wise, as in run_kernels_avx2.cc Bins8). The counter indices leave
+  // the register through 64-bit extracts: read back from memory, a vector
+  // store feeds scalar loads slowly, and the loads of the indices then wait
+  // on the counters' stores.
+  template <int kDelta>
+  static __attribute__((always_inline)) void Count(F x, const Bins& b,
+                                                   uint32_t* sub) {
     const __m512i abs_bits =
         _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
     __m512i bin =
@@ -139,8 +144,22 @@ struct V {
     bin = _mm512_max_epi32(bin, _mm512_set1_epi32(kUnderflowBin));
     bin = _mm512_min_epi32(bin, b.overflow);
     bin = _mm512_min_epu32(bin, abs_bits);
-    _mm512_storeu_si512(out,
-                        _mm512_or_si512(_mm512_slli_epi32(bin, 3), b.lane));
+    const __m512i slot = _mm512_or_si512(
+        _mm512_slli_epi32(bin, __builtin_ctz(kInterleave)), b.lane);
+    CountQuarter<kDelta>(_mm512_castsi512_si128(slot), sub);
+    CountQuarter<kDelta>(_mm512_extracti32x4_epi32(slot, 1), sub);
+    CountQuarter<kDelta>(_mm512_extracti32x4_epi32(slot, 2), sub);
+    CountQuarter<kDelta>(_mm512_extracti32x4_epi32(slot, 3), sub);
+  }
+  template <int kDelta>
+  static __attribute__((always_inline)) void CountQuarter(__m128i slots,
+                                                          uint32_t* sub) {
+    const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(slots));
+    const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(slots, 1));
+    sub[static_cast<uint32_t>(p0)] += kDelta;
+    sub[p0 >> 32] += kDelta;
+    sub[static_cast<uint32_t>(p1)] += kDelta;
+    sub[p1 >> 32] += kDelta;
   }
 };
 
