@@ -5,8 +5,11 @@
 // heads' statistics. The kernels walk the chunk in memory order (rows of
 // head runs, run_kernels.h); a large chunk is split over the thread pool by
 // rows (per-task partial histograms and tails, merged exactly at the end)
-// or, when those partials would be large, by groups of heads.
+// or, when those partials would be large, by groups of heads. A chunk that
+// arrived in pieces (ChunkView::pieces) is walked in place by one thread.
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -28,6 +31,74 @@ constexpr uint64_t kMinValuesPerTask = 1 << 15;
 // Rows are split over threads only while each task's partial histograms
 // (heads x bins x 8 bytes) stay this small; beyond, heads are.
 constexpr size_t kMaxPartialHistogramBytes = size_t{1} << 20;
+
+// Describes `count` contiguous values at p, the chunk's values
+// [begin, begin + count) (flat index, rows of `heads` runs of `run` values),
+// as spans: partial runs, whole runs of a partial row, whole rows.
+void WalkRange(const std::byte* p, uint64_t begin, uint64_t count,
+               const ChunkExtent& extent, size_t element_size,
+               std::vector<cpu::RowSpan>* spans) {
+  const uint64_t run = extent.inner;
+  const uint64_t row = extent.heads * run;
+  while (count > 0) {
+    const uint64_t h = (begin / run) % extent.heads;
+    const uint64_t i = begin % run;
+    uint64_t n = 0;
+    if (i != 0 || count < run) {
+      n = std::min(count, run - i);
+      spans->push_back({p, 1, 0, h, 1, n});
+    } else if (h != 0 || count < row) {
+      const uint64_t runs = std::min<uint64_t>(extent.heads - h, count / run);
+      n = runs * run;
+      spans->push_back({p, 1, 0, h, runs, run});
+    } else {
+      const uint64_t rows = count / row;
+      n = rows * row;
+      spans->push_back({p, rows, row, 0, extent.heads, run});
+    }
+    p += n * element_size;
+    begin += n;
+    count -= n;
+  }
+}
+
+// Walks a chunk that arrived in pieces without copying it: each piece's
+// whole values in place, all in one SpansFn call; a value split between two
+// pieces is put together in a small buffer (one per split, kept until the
+// call).
+void WalkPieces(const std::vector<absl::Span<const std::byte>>& pieces,
+                const ChunkExtent& extent, size_t element_size,
+                cpu::SpansFn spans_fn, cpu::RunAccumulator* accs) {
+  uint64_t next = 0;  // flat index of the next value
+  std::vector<cpu::RowSpan> spans;
+  std::vector<std::array<std::byte, 8>> joined;
+  joined.reserve(pieces.size());
+  std::byte carry[8];
+  size_t carried = 0;
+  for (const absl::Span<const std::byte>& piece : pieces) {
+    const std::byte* p = piece.data();
+    size_t left = piece.size();
+    if (carried != 0) {
+      const size_t take = std::min(left, element_size - carried);
+      std::memcpy(carry + carried, p, take);
+      carried += take;
+      p += take;
+      left -= take;
+      if (carried < element_size) continue;
+      std::memcpy(joined.emplace_back().data(), carry, element_size);
+      WalkRange(joined.back().data(), next++, 1, extent, element_size, &spans);
+      carried = 0;
+    }
+    const uint64_t whole = left / element_size;
+    WalkRange(p, next, whole, extent, element_size, &spans);
+    next += whole;
+    p += whole * element_size;
+    left -= whole * element_size;
+    std::memcpy(carry, p, left);
+    carried = left;
+  }
+  spans_fn(spans.data(), spans.size(), extent.heads, accs);
+}
 
 // One task walks rows [row_begin, row_end) of heads [head_begin, head_end)
 // of a chunk in memory order. A task that owns its heads' rows entirely (or
@@ -77,7 +148,13 @@ class CpuBackend final : public StatisticsBackend {
 
     std::lock_guard<std::mutex> lock(
         locks_[chunk.layer * 3 + static_cast<size_t>(RoleIndex(chunk.role))]);
-    std::vector<ChunkTask> tasks = Plan(extent, bins);
+    // A chunk in pieces is walked by one thread, piece by piece, in place.
+    std::vector<ChunkTask> tasks =
+        chunk.pieces.empty() ? Plan(extent, bins) : std::vector<ChunkTask>(1);
+    if (!chunk.pieces.empty()) {
+      tasks[0].row_end = extent.outer;
+      tasks[0].head_end = extent.heads;
+    }
     for (ChunkTask& task : tasks) {
       const size_t n = task.head_end - task.head_begin;
       task.accs.resize(n);
@@ -102,7 +179,10 @@ class CpuBackend final : public StatisticsBackend {
               task.head_end - task.head_begin, extent.inner, task.accs.data());
     };
 
-    if (tasks.size() == 1) {
+    if (!chunk.pieces.empty()) {
+      WalkPieces(chunk.pieces, extent, element_size,
+                 cpu::BestSpansFn(chunk.dtype), tasks[0].accs.data());
+    } else if (tasks.size() == 1) {
       run(tasks[0]);
     } else {
       ThreadPool& pool = pool_ ? *pool_ : ThreadPool::Shared();

@@ -75,6 +75,27 @@ RowsFn Avx2RowsFn(DType dtype);
 // the AVX2 loop: its double sums need the same order on both).
 RowsFn Avx512RowsFn(DType dtype);
 
+// rows x heads runs of `length` values at `data`: the run of row r and span
+// head j starts (r * stride + j * length) elements after `data` and goes to
+// accs[head + j].
+struct RowSpan {
+  const void* data;
+  size_t rows;
+  size_t stride;
+  size_t head;
+  size_t heads;
+  size_t length;
+};
+// Adds `count` spans, in order, to accs[0, heads): for a chunk that arrived
+// in pieces. The 16-bit loops keep one state per head over all the spans
+// (what they would keep over one call), the others call their RowsFn per
+// span; every ISA gives the same bits.
+using SpansFn = void (*)(const RowSpan* spans, size_t count, size_t heads,
+                         RunAccumulator* accs);
+SpansFn ScalarSpansFn(DType dtype);
+SpansFn Avx2SpansFn(DType dtype);    // nullptr without AVX2
+SpansFn Avx512SpansFn(DType dtype);  // nullptr without AVX-512
+
 // Instruction sets of the inner loops, narrowest first.
 enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 absl::string_view CpuIsaName(CpuIsa isa);
@@ -88,6 +109,8 @@ CpuIsa ActiveCpuIsa();
 RowsFn RowsFnFor(CpuIsa isa, DType dtype);
 // RowsFnFor(ActiveCpuIsa(), dtype).
 RowsFn BestRowsFn(DType dtype);
+SpansFn SpansFnFor(CpuIsa isa, DType dtype);
+SpansFn BestSpansFn(DType dtype);
 
 }  // namespace kvcal::cpu
 

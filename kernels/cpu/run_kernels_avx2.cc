@@ -656,12 +656,26 @@ RowsFn Avx2RowsFn(DType dtype) {
   return nullptr;
 }
 
+SpansFn Avx2SpansFn(DType dtype) {
+  if (!CpuHasAvx2()) return nullptr;
+  switch (dtype) {
+    case DType::kF32:
+      return &internal::SpansByRows<&Avx2Dispatch<DType::kF32>>;
+    case DType::kF16:
+      return &SpansDispatch16<DType::kF16>;
+    case DType::kBf16:
+      return &SpansDispatch16<DType::kBf16>;
+  }
+  return nullptr;
+}
+
 }  // namespace kvcal::cpu
 
 #else  // no AVX2 in this build
 
 namespace kvcal::cpu {
 RowsFn Avx2RowsFn(DType) { return nullptr; }
+SpansFn Avx2SpansFn(DType) { return nullptr; }
 }  // namespace kvcal::cpu
 
 #endif

@@ -188,6 +188,19 @@ RowsFn Avx512RowsFn(DType dtype) {
   return nullptr;
 }
 
+SpansFn Avx512SpansFn(DType dtype) {
+  if (!CpuHasAvx512()) return nullptr;
+  switch (dtype) {
+    case DType::kF32:
+      return Avx2SpansFn(dtype);
+    case DType::kF16:
+      return &SpansDispatch16<DType::kF16>;
+    case DType::kBf16:
+      return &SpansDispatch16<DType::kBf16>;
+  }
+  return nullptr;
+}
+
 }  // namespace kvcal::cpu
 
 #if defined(__clang__)
@@ -201,6 +214,7 @@ RowsFn Avx512RowsFn(DType dtype) {
 
 namespace kvcal::cpu {
 RowsFn Avx512RowsFn(DType) { return nullptr; }
+SpansFn Avx512SpansFn(DType) { return nullptr; }
 }  // namespace kvcal::cpu
 
 #endif

@@ -69,4 +69,23 @@ RowsFn BestRowsFn(DType dtype) {
   return ScalarRowsFn(dtype);
 }
 
+SpansFn SpansFnFor(CpuIsa isa, DType dtype) {
+  switch (isa) {
+    case CpuIsa::kScalar:
+      return ScalarSpansFn(dtype);
+    case CpuIsa::kAvx2:
+      return Avx2SpansFn(dtype);
+    case CpuIsa::kAvx512:
+      return Avx512SpansFn(dtype);
+  }
+  return nullptr;
+}
+
+SpansFn BestSpansFn(DType dtype) {
+  for (int isa = static_cast<int>(ActiveCpuIsa()); isa >= 0; --isa) {
+    if (SpansFn fn = SpansFnFor(static_cast<CpuIsa>(isa), dtype)) return fn;
+  }
+  return ScalarSpansFn(dtype);
+}
+
 }  // namespace kvcal::cpu

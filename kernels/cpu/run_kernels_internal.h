@@ -81,6 +81,16 @@ inline bool NonFiniteBits(uint32_t bits) {
   return (bits & 0x7f800000u) == 0x7f800000u;
 }
 
+// A SpansFn that calls `kRows` once per span.
+template <RowsFn kRows>
+void SpansByRows(const RowSpan* spans, size_t count, size_t /*heads*/,
+                 RunAccumulator* accs) {
+  for (size_t i = 0; i < count; ++i) {
+    const RowSpan& s = spans[i];
+    kRows(s.data, s.rows, s.stride, s.heads, s.length, accs + s.head);
+  }
+}
+
 }  // namespace kvcal::cpu::internal
 
 #endif  // KVCAL_KERNELS_CPU_RUN_KERNELS_INTERNAL_H_

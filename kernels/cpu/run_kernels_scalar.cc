@@ -106,41 +106,45 @@ void CarefulBlock(const unsigned char* p, size_t n, size_t tail_from,
 
 // 16-bit values in the canonical order (run_kernels_internal.h).
 template <DType kDType>
-void Scalar16Rows(const void* data, size_t rows, size_t stride, size_t heads,
-                  size_t length, RunAccumulator* accs) {
+void Scalar16Spans(const RowSpan* spans, size_t count, size_t heads,
+                   RunAccumulator* accs) {
   using internal::kBlockValues;
   using internal::kGroupValues;
   using internal::kLanes;
-  const auto* base = static_cast<const unsigned char*>(data);
   std::vector<internal::DoubleLanes> lanes(heads, internal::DoubleLanes{});
-  for (size_t r = 0; r < rows; ++r) {
-    for (size_t h = 0; h < heads; ++h) {
-      const unsigned char* run = base + (r * stride + h * length) * 2;
-      for (size_t b = 0; b < length; b += kBlockValues) {
-        const unsigned char* p = run + b * 2;
-        const size_t n = std::min(kBlockValues, length - b);
-        float s[2 * kLanes] = {}, q[2 * kLanes] = {};
-        for (size_t i = 0; i < n; ++i) {
-          const float x = LoadValue<kDType>(p, i);
-          const size_t lane = internal::Lane16(kDType, i % kGroupValues);
-          s[lane] += x;
-          q[lane] += x * x;  // exact for 16-bit x: no contraction question
-        }
-        bool finite = true, tiny = true;
-        for (size_t k = 0; k < 2 * kLanes; ++k) {
-          finite &= !internal::NonFiniteBits(FloatBits(s[k])) &&
-                    !internal::NonFiniteBits(FloatBits(q[k]));
-          tiny &= q[k] < internal::kTinySquares;
-        }
-        if (finite && !tiny) {
-          for (size_t k = 0; k < kLanes; ++k) {
-            lanes[h].sum[k] += static_cast<double>(s[k] + s[kLanes + k]);
-            lanes[h].sum_squares[k] +=
-                static_cast<double>(q[k] + q[kLanes + k]);
+  for (const RowSpan* span = spans; span != spans + count; ++span) {
+    const auto* base = static_cast<const unsigned char*>(span->data);
+    const size_t length = span->length;
+    for (size_t r = 0; r < span->rows; ++r) {
+      for (size_t j = 0; j < span->heads; ++j) {
+        const size_t h = span->head + j;
+        const unsigned char* run = base + (r * span->stride + j * length) * 2;
+        for (size_t b = 0; b < length; b += kBlockValues) {
+          const unsigned char* p = run + b * 2;
+          const size_t n = std::min(kBlockValues, length - b);
+          float s[2 * kLanes] = {}, q[2 * kLanes] = {};
+          for (size_t i = 0; i < n; ++i) {
+            const float x = LoadValue<kDType>(p, i);
+            const size_t lane = internal::Lane16(kDType, i % kGroupValues);
+            s[lane] += x;
+            q[lane] += x * x;  // exact for 16-bit x: no contraction question
           }
-          internal::ExactStats16(kDType, p, n, accs[h]);
-        } else {
-          CarefulBlock<kDType>(p, n, 0, accs[h], lanes[h]);
+          bool finite = true, tiny = true;
+          for (size_t k = 0; k < 2 * kLanes; ++k) {
+            finite &= !internal::NonFiniteBits(FloatBits(s[k])) &&
+                      !internal::NonFiniteBits(FloatBits(q[k]));
+            tiny &= q[k] < internal::kTinySquares;
+          }
+          if (finite && !tiny) {
+            for (size_t k = 0; k < kLanes; ++k) {
+              lanes[h].sum[k] += static_cast<double>(s[k] + s[kLanes + k]);
+              lanes[h].sum_squares[k] +=
+                  static_cast<double>(q[k] + q[kLanes + k]);
+            }
+            internal::ExactStats16(kDType, p, n, accs[h]);
+          } else {
+            CarefulBlock<kDType>(p, n, 0, accs[h], lanes[h]);
+          }
         }
       }
     }
@@ -149,6 +153,13 @@ void Scalar16Rows(const void* data, size_t rows, size_t stride, size_t heads,
     accs[h].sum += internal::FoldLanes(lanes[h].sum);
     accs[h].sum_squares += internal::FoldLanes(lanes[h].sum_squares);
   }
+}
+
+template <DType kDType>
+void Scalar16Rows(const void* data, size_t rows, size_t stride, size_t heads,
+                  size_t length, RunAccumulator* accs) {
+  const RowSpan span{data, rows, stride, 0, heads, length};
+  Scalar16Spans<kDType>(&span, 1, heads, accs);
 }
 
 // f32 values in the AVX2 kernel's order (run_kernels_internal.h).
@@ -295,6 +306,18 @@ RowsFn ScalarRowsFn(DType dtype) {
       return &Scalar16Rows<DType::kF16>;
     case DType::kBf16:
       return &Scalar16Rows<DType::kBf16>;
+  }
+  return nullptr;
+}
+
+SpansFn ScalarSpansFn(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return &internal::SpansByRows<&ScalarF32Dispatch>;
+    case DType::kF16:
+      return &Scalar16Spans<DType::kF16>;
+    case DType::kBf16:
+      return &Scalar16Spans<DType::kBf16>;
   }
   return nullptr;
 }

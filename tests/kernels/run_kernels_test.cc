@@ -177,6 +177,59 @@ TEST_P(RunKernelsTest, EveryInstructionSetGivesTheSameBits) {
   }
 }
 
+// SpansFn (a chunk in pieces): runs cut at a third of their length, handed
+// over as separate spans, give the same bits on every ISA.
+TEST_P(RunKernelsTest, SpansGiveTheSameBitsOnEveryInstructionSet) {
+  const DType dtype = GetParam();
+  Rng rng(99);
+  const size_t element = DTypeSize(dtype);
+  for (size_t length : {size_t{5}, size_t{64}, size_t{300}}) {
+    const size_t rows = 7, heads = 3;
+    const auto data = MakeData(rng, dtype, rows * heads * length, 0.01, 1.0);
+    std::vector<RowSpan> spans;
+    const size_t cut = length / 3;
+    for (size_t r = 0; r < rows; ++r) {
+      for (size_t h = 0; h < heads; ++h) {
+        const unsigned char* run =
+            data.data() + (r * heads + h) * length * element;
+        if (cut != 0) spans.push_back({run, 1, 0, h, 1, cut});
+        spans.push_back({run + cut * element, 1, 0, h, 1, length - cut});
+      }
+    }
+    for (uint32_t bins : {0u, 64u}) {
+      auto run_spans = [&](SpansFn fn) {
+        Result r;
+        r.accs.resize(heads);
+        const size_t n = bins == 0 ? 0 : HistogramBinCount(6);
+        r.histograms.assign(heads * n, 0);
+        std::vector<TailKeeper> keepers(heads, TailKeeper({}));
+        for (size_t h = 0; h < heads; ++h) {
+          if (n != 0) {
+            r.accs[h].histogram = r.histograms.data() + h * n;
+            r.accs[h].log2_bins_per_octave = 6;
+            r.accs[h].tail = &keepers[h];
+          }
+        }
+        fn(spans.data(), spans.size(), heads, r.accs.data());
+        for (TailKeeper& k : keepers) {
+          r.tails.emplace_back();
+          k.StoreSortedDescending(&r.tails.back());
+        }
+        return r;
+      };
+      const Result expected = run_spans(ScalarSpansFn(dtype));
+      for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+        SpansFn fn = SpansFnFor(isa, dtype);
+        if (fn == nullptr) continue;
+        ExpectSameBits(expected, run_spans(fn),
+                       std::string(CpuIsaName(isa)) + " spans, length " +
+                           std::to_string(length) + " bins " +
+                           std::to_string(bins));
+      }
+    }
+  }
+}
+
 TEST(CpuIsaTest, NamesRoundTripAndUnknownIsRejected) {
   for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
     auto parsed = ParseCpuIsa(CpuIsaName(isa));
