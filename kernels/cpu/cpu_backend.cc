@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -18,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/run_kernels.h"
+#include "kernels/cpu/run_kernels_internal.h"
 #include "kernels/element_math.h"
 #include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
@@ -32,73 +34,97 @@ constexpr uint64_t kMinValuesPerTask = 1 << 15;
 // (heads x bins x 8 bytes) stay this small; beyond, heads are.
 constexpr size_t kMaxPartialHistogramBytes = size_t{1} << 20;
 
-// Describes `count` contiguous values at p, the chunk's values
-// [begin, begin + count) (flat index, rows of `heads` runs of `run` values),
-// as spans: partial runs, whole runs of a partial row, whole rows.
-void WalkRange(const std::byte* p, uint64_t begin, uint64_t count,
-               const ChunkExtent& extent, size_t element_size,
-               std::vector<cpu::RowSpan>* spans) {
-  const uint64_t run = extent.inner;
-  const uint64_t row = extent.heads * run;
-  while (count > 0) {
-    const uint64_t h = (begin / run) % extent.heads;
-    const uint64_t i = begin % run;
-    uint64_t n = 0;
-    if (i != 0 || count < run) {
-      n = std::min(count, run - i);
-      spans->push_back({p, 1, 0, h, 1, n});
-    } else if (h != 0 || count < row) {
-      const uint64_t runs = std::min<uint64_t>(extent.heads - h, count / run);
-      n = runs * run;
-      spans->push_back({p, 1, 0, h, runs, run});
-    } else {
-      const uint64_t rows = count / row;
-      n = rows * row;
-      spans->push_back({p, rows, row, 0, extent.heads, run});
-    }
-    p += n * element_size;
-    begin += n;
-    count -= n;
-  }
-}
+// Turns a chunk that arrived in pieces into spans for one SpansFn call,
+// reading the pieces in place, so that the spans' blocks are exactly those
+// of the chunk read in one piece: every span starts at a block boundary of
+// its run (kBlockValues, run_kernels_internal.h) and ends at one or at the
+// run's end. A block cut by a piece boundary (and a value split between two
+// pieces) is put together in a small buffer. The statistics then do not
+// depend on where the receive buffers were cut.
+class PieceWalker {
+ public:
+  PieceWalker(const ChunkExtent& extent, size_t element_size)
+      : extent_(extent), element_size_(element_size) {}
 
-// Walks a chunk that arrived in pieces without copying it: each piece's
-// whole values in place, all in one SpansFn call; a value split between two
-// pieces is put together in a small buffer (one per split, kept until the
-// call).
-void WalkPieces(const std::vector<absl::Span<const std::byte>>& pieces,
-                const ChunkExtent& extent, size_t element_size,
-                cpu::SpansFn spans_fn, cpu::RunAccumulator* accs) {
-  uint64_t next = 0;  // flat index of the next value
-  std::vector<cpu::RowSpan> spans;
-  std::vector<std::array<std::byte, 8>> joined;
-  joined.reserve(pieces.size());
-  std::byte carry[8];
-  size_t carried = 0;
-  for (const absl::Span<const std::byte>& piece : pieces) {
-    const std::byte* p = piece.data();
-    size_t left = piece.size();
-    if (carried != 0) {
-      const size_t take = std::min(left, element_size - carried);
-      std::memcpy(carry + carried, p, take);
-      carried += take;
-      p += take;
-      left -= take;
-      if (carried < element_size) continue;
-      std::memcpy(joined.emplace_back().data(), carry, element_size);
-      WalkRange(joined.back().data(), next++, 1, extent, element_size, &spans);
-      carried = 0;
+  void Add(const std::vector<absl::Span<const std::byte>>& pieces) {
+    for (const absl::Span<const std::byte>& piece : pieces) {
+      const std::byte* p = piece.data();
+      size_t left = piece.size();
+      if (carried_ != 0) {
+        const size_t take = std::min(left, element_size_ - carried_);
+        std::memcpy(carry_ + carried_, p, take);
+        carried_ += take;
+        p += take;
+        left -= take;
+        if (carried_ < element_size_) continue;
+        Range(carry_, 1);
+        carried_ = 0;
+      }
+      const uint64_t whole = left / element_size_;
+      Range(p, whole);
+      p += whole * element_size_;
+      left -= whole * element_size_;
+      std::memcpy(carry_, p, left);
+      carried_ = left;
     }
-    const uint64_t whole = left / element_size;
-    WalkRange(p, next, whole, extent, element_size, &spans);
-    next += whole;
-    p += whole * element_size;
-    left -= whole * element_size;
-    std::memcpy(carry, p, left);
-    carried = left;
   }
-  spans_fn(spans.data(), spans.size(), extent.heads, accs);
-}
+
+  const std::vector<cpu::RowSpan>& spans() const { return spans_; }
+
+ private:
+  static constexpr uint64_t kBlock = cpu::internal::kBlockValues;
+
+  // `count` contiguous values at p: the chunk's values [next_, next_ +
+  // count).
+  void Range(const std::byte* p, uint64_t count) {
+    const uint64_t run = extent_.inner;
+    const uint64_t row = extent_.heads * run;
+    while (count > 0) {
+      const uint64_t h = (next_ / run) % extent_.heads;
+      const uint64_t i = next_ % run;
+      const uint64_t block_begin = i - i % kBlock;
+      const uint64_t block_end = std::min(block_begin + kBlock, run);
+      uint64_t n = 0;
+      if (i != block_begin || count < block_end - i) {
+        // Part of a block: gathered until the block is complete.
+        if (i == block_begin) pending_ = &blocks_.emplace_back();
+        n = std::min(count, block_end - i);
+        std::memcpy(pending_->data() + (i - block_begin) * element_size_, p,
+                    n * element_size_);
+        if (i + n == block_end) {
+          spans_.push_back(
+              {pending_->data(), 1, 0, h, 1, block_end - block_begin});
+        }
+      } else if (i != 0 || count < run) {
+        // Whole blocks of one run (up to its end, or a block boundary).
+        n = count >= run - i ? run - i : count - count % kBlock;
+        spans_.push_back({p, 1, 0, h, 1, n});
+      } else if (h != 0 || count < row) {
+        const uint64_t runs =
+            std::min<uint64_t>(extent_.heads - h, count / run);
+        n = runs * run;
+        spans_.push_back({p, 1, 0, h, runs, run});
+      } else {
+        const uint64_t rows = count / row;
+        n = rows * row;
+        spans_.push_back({p, rows, row, 0, extent_.heads, run});
+      }
+      p += n * element_size_;
+      next_ += n;
+      count -= n;
+    }
+  }
+
+  const ChunkExtent extent_;
+  const size_t element_size_;
+  uint64_t next_ = 0;  // flat index of the next value
+  std::vector<cpu::RowSpan> spans_;
+  // Blocks put together from several pieces (stable addresses).
+  std::deque<std::array<std::byte, kBlock * 4>> blocks_;
+  std::array<std::byte, kBlock* 4>* pending_ = nullptr;
+  std::byte carry_[8];
+  size_t carried_ = 0;
+};
 
 // One task walks rows [row_begin, row_end) of heads [head_begin, head_end)
 // of a chunk in memory order. A task that owns its heads' rows entirely (or
@@ -129,7 +155,19 @@ class CpuBackend final : public StatisticsBackend {
   absl::string_view name() const override { return "cpu"; }
   const Geometry& geometry() const override { return stats_.geometry(); }
 
-  absl::Status Accumulate(const ChunkView& chunk) override {
+  absl::Status Accumulate(const ChunkView& in) override {
+    // f32 in pieces is gathered (one copy): its loops keep no state across
+    // calls, so in place its sums would depend on where the pieces were cut.
+    ChunkView gathered;
+    std::vector<std::byte> gathered_bytes;
+    if (in.dtype == DType::kF32 && !in.pieces.empty()) {
+      gathered = in;
+      gathered.pieces.clear();
+      gathered_bytes.resize(in.byte_size());
+      in.CopyBytes(0, gathered_bytes.size(), gathered_bytes.data());
+      gathered.data = absl::MakeConstSpan(gathered_bytes);
+    }
+    const ChunkView& chunk = gathered_bytes.empty() ? in : gathered;
     KVCAL_ASSIGN_OR_RETURN(ChunkExtent extent,
                            ValidateChunk(stats_.geometry(), chunk));
     if (extent.elements() == 0) return absl::OkStatus();
@@ -180,8 +218,11 @@ class CpuBackend final : public StatisticsBackend {
     };
 
     if (!chunk.pieces.empty()) {
-      WalkPieces(chunk.pieces, extent, element_size,
-                 cpu::BestSpansFn(chunk.dtype), tasks[0].accs.data());
+      PieceWalker walker(extent, element_size);
+      walker.Add(chunk.pieces);
+      cpu::BestSpansFn(chunk.dtype)(walker.spans().data(),
+                                    walker.spans().size(), extent.heads,
+                                    tasks[0].accs.data());
     } else if (tasks.size() == 1) {
       run(tasks[0]);
     } else {
