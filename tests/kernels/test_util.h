@@ -451,8 +451,7 @@ inline void ExpectMatchesReference(const Reference& ref,
         EXPECT_EQ(a.inf_count, e.inf);
         const double tol = ref.sum_tolerance();
         EXPECT_NEAR(a.sum, e.sum, tol * e.abs_sum + 1e-300);
-        EXPECT_NEAR(a.sum_squares, e.sum_squares,
-                    tol * e.sum_squares + 1e-300);
+        EXPECT_NEAR(a.sum_squares, e.sum_squares, tol * e.sum_squares + 1e-300);
         EXPECT_EQ(a.histogram, e.histogram);
         if (g.bins_per_octave != 0) {
           EXPECT_EQ(BitsOf(a.tail), BitsOf(RefTail(e)));
