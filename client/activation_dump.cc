@@ -100,7 +100,8 @@ absl::StatusOr<ActivationDump> ActivationDump::Open(const std::string& dir,
                        .shape = d.shape,
                        .head_offset = 0,
                        .batch = d.batch,
-                       .data = d.data};
+                       .data = d.data,
+                       .pieces = {}};
         auto extent = ValidateChunk(*geometry, view);
         if (!extent.ok()) {
           return absl::InvalidArgumentError(absl::StrCat(

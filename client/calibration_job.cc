@@ -87,7 +87,8 @@ absl::StatusOr<PushSummary> PushDump(CalibrationClient& client,
                                .shape = t.shape,
                                .head_offset = 0,
                                .batch = t.batch,
-                               .data = t.data});
+                               .data = t.data,
+                               .pieces = {}});
     total_chunks += SplitChunk(chunks.back(), options.max_chunk_bytes,
                                options.holdout_batches.count(t.batch) > 0)
                         .size();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -197,9 +198,9 @@ absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
     return absl::InvalidArgumentError(
         absl::StrCat("byte count of shape ", shape_text, " overflows 64 bits"));
   }
-  if (chunk.data.size() != expected_bytes) {
+  if (chunk.byte_size() != expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "data is ", chunk.data.size(), " bytes, shape ", shape_text, " ",
+        "data is ", chunk.byte_size(), " bytes, shape ", shape_text, " ",
         DTypeName(chunk.dtype), " needs ", expected_bytes));
   }
   ChunkExtent extent;
@@ -214,6 +215,33 @@ absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
     extent.inner = shape.back();
   }
   return extent;
+}
+
+uint64_t ChunkView::byte_size() const {
+  if (pieces.empty()) return data.size();
+  uint64_t total = 0;
+  for (const absl::Span<const std::byte>& piece : pieces) total += piece.size();
+  return total;
+}
+
+void ChunkView::CopyBytes(uint64_t offset, size_t n, void* out) const {
+  auto* dst = static_cast<std::byte*>(out);
+  if (pieces.empty()) {
+    std::memcpy(dst, data.data() + offset, n);
+    return;
+  }
+  for (const absl::Span<const std::byte>& piece : pieces) {
+    if (n == 0) return;
+    if (offset >= piece.size()) {
+      offset -= piece.size();
+      continue;
+    }
+    const size_t take = std::min<uint64_t>(n, piece.size() - offset);
+    std::memcpy(dst, piece.data() + offset, take);
+    dst += take;
+    n -= take;
+    offset = 0;
+  }
 }
 
 }  // namespace kvcal

@@ -19,11 +19,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace kvcal {
@@ -37,12 +37,10 @@ enum class Layout : uint32_t { kTokensHeadsDim = 1, kHeadsTokensDim = 2 };
 inline constexpr std::array<Role, 3> kAllRoles = {Role::kQ, Role::kK, Role::kV};
 
 // 0 for Q, 1 for K, 2 for V.
-inline constexpr int RoleIndex(Role role) {
-  return static_cast<int>(role) - 1;
-}
-absl::string_view RoleName(Role role);    // "Q", "K", "V"
+inline constexpr int RoleIndex(Role role) { return static_cast<int>(role) - 1; }
+absl::string_view RoleName(Role role);     // "Q", "K", "V"
 absl::string_view DTypeName(DType dtype);  // "f32", "f16", "bf16"
-size_t DTypeSize(DType dtype);            // 4, 2, 2
+size_t DTypeSize(DType dtype);             // 4, 2, 2
 
 // Limits from CONTRACT.md "Sessions".
 inline constexpr uint32_t kMaxLayers = 4096;
@@ -61,9 +59,7 @@ struct Geometry {
   uint32_t role_mask = 0b111;
 
   absl::Status Validate() const;
-  bool collects(Role role) const {
-    return (role_mask >> RoleIndex(role)) & 1u;
-  }
+  bool collects(Role role) const { return (role_mask >> RoleIndex(role)) & 1u; }
   uint32_t heads(Role role) const {
     return role == Role::kQ ? num_attention_heads : num_key_value_heads;
   }
@@ -81,7 +77,10 @@ struct Geometry {
   friend bool operator==(const Geometry&, const Geometry&) = default;
 };
 
-// One chunk of activations, not owned. `data` is row-major little-endian.
+// One chunk of activations, not owned. Its bytes (row-major, little-endian)
+// are `data`, or, when `pieces` is not empty, the pieces one after the other
+// (a message as it arrived, in several receive buffers; `data` is then
+// empty). A value may straddle two pieces.
 // Layout kTokensHeadsDim: shape [..., heads, head_dim] (rank >= 2; a rank-2
 // shape is one token). Layout kHeadsTokensDim: shape [batch, heads, tokens,
 // head_dim]. The chunk carries heads [head_offset, head_offset + heads).
@@ -94,6 +93,13 @@ struct ChunkView {
   uint32_t head_offset = 0;
   uint64_t batch = 0;
   absl::Span<const std::byte> data;
+  std::vector<absl::Span<const std::byte>> pieces;
+
+  // Bytes of the chunk: data.size() or the sum of the pieces.
+  uint64_t byte_size() const;
+  // Copies bytes [offset, offset + n) of the chunk to `out`; the range must
+  // be within byte_size().
+  void CopyBytes(uint64_t offset, size_t n, void* out) const;
 };
 
 // A validated chunk in one canonical form for both layouts: element (o, h, i)

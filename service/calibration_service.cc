@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -10,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "service/ingest_wire.h"
 #include "service/log.h"
 #include "service/proto_convert.h"
 #include "service/session_persister.h"
@@ -17,6 +20,10 @@
 
 namespace kvcal::service {
 namespace {
+
+// Index of Ingest among kvcal.v1.Calibration's methods (proto order),
+// checked by every service test that ingests.
+constexpr int kIngestMethodIndex = 4;
 
 using Clock = std::chrono::steady_clock;
 namespace pb = ::kvcal::v1;
@@ -32,6 +39,30 @@ CalibrationService::CalibrationService(ServiceOptions options)
       registry_(options_.registry),
       executor_(options_.executor_threads) {
   metrics_.SetSessionGauge([this] { return registry_.size(); });
+  // The generated service numbers its methods in the proto's order; a
+  // reordered proto must not hand Ingest's raw handler to another method.
+  if (pb::Calibration::descriptor()->method(kIngestMethodIndex)->name() !=
+      "Ingest") {
+    std::fprintf(stderr,
+                 "kvcal-worker: kvcal.v1.Calibration method %d is %s, not "
+                 "Ingest: update kIngestMethodIndex\n",
+                 kIngestMethodIndex,
+                 pb::Calibration::descriptor()
+                     ->method(kIngestMethodIndex)
+                     ->name()
+                     .c_str());
+    std::abort();
+  }
+  // Ingest (method 4 of kvcal.v1.Calibration, in the order of the proto)
+  // becomes a raw callback method, as the generated
+  // WithRawCallbackMethod_Ingest does it; the typed handler is replaced.
+  MarkMethodRawCallback(
+      kIngestMethodIndex,
+      new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer,
+                                              grpc::ByteBuffer>(
+          [this](grpc::CallbackServerContext* context) {
+            return IngestRaw(context);
+          }));
 }
 
 CalibrationService::~CalibrationService() = default;
@@ -226,7 +257,8 @@ grpc::ServerUnaryReactor* CalibrationService::ImportState(
 }
 
 absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
-    const std::string& tenant, const pb::IngestRequest& request) {
+    const std::string& tenant, const pb::IngestRequest& request,
+    const std::vector<absl::Span<const std::byte>>& data, uint64_t data_bytes) {
   const std::string producer = ResolveProducerId(request.producer_id());
   auto session = registry_.Get(tenant, request.session_id());
   if (!session.ok()) {
@@ -248,13 +280,14 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
                                                    " from producer '", producer,
                                                    "': ", shard.message()));
   }
+  ChunkView chunk = ChunkFromProto(request);
+  chunk.pieces = data;
   absl::StatusOr<IngestOutcome> outcome = (*session)->Ingest(
-      producer, request.sequence(), ChunkFromProto(request), request.holdout());
+      producer, request.sequence(), chunk, request.holdout());
   if (!outcome.ok()) return outcome.status();
   if (outcome->applied) {
     const uint64_t element_size = request.dtype() == pb::DTYPE_F32 ? 4 : 2;
-    metrics_.RecordIngest(request.data().size(),
-                          request.data().size() / element_size);
+    metrics_.RecordIngest(data_bytes, data_bytes / element_size);
   } else {
     metrics_.RecordDuplicate();
   }
@@ -301,15 +334,14 @@ bool CalibrationService::InflightBelowLimit() const {
 // them in order on the executor, and writes one response per chunk in order.
 // The first error is sent after the responses of the chunks before it.
 class IngestReactor final
-    : public grpc::ServerBidiReactor<pb::IngestRequest, pb::IngestResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
   // Responses produced but not yet sent; beyond this the stream stops
   // reading, so a client that never reads its acks is slowed by gRPC flow
   // control instead of growing the worker's queue.
   static constexpr size_t kMaxUnsentResponses = 64;
-  // Applied requests kept for reuse by later reads, with data buffers of at
-  // most kMaxSpareBytes: a stream holds at most 2 x 8 MiB of them.
+  // Applied requests kept for reuse by later reads (their vectors keep
+  // their capacity; the received bytes themselves are released).
   static constexpr size_t kMaxSpareRequests = 2;
-  static constexpr size_t kMaxSpareBytes = size_t{8} << 20;
 
  public:
   IngestReactor(CalibrationService* service,
@@ -347,7 +379,7 @@ class IngestReactor final
         read_closed_ = true;
         read_buffer_.reset();
       } else {
-        const int64_t bytes = static_cast<int64_t>(read_buffer_->data().size());
+        const int64_t bytes = static_cast<int64_t>(read_buffer_->wire_bytes());
         pending_bytes_ += bytes;
         service_->AddInflight(bytes);
         pending_.push_back(std::move(read_buffer_));
@@ -462,7 +494,7 @@ class IngestReactor final
   // applying_ is set (which blocks any finish). Calling it from elsewhere,
   // Drain() for one, would need that reasoning again.
   void StartNextRead() {
-    pb::IngestRequest* target = nullptr;
+    grpc::ByteBuffer* target = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (reading_ || read_closed_ || failed_ || finished_ || draining_) {
@@ -491,19 +523,19 @@ class IngestReactor final
         return;  // resumed by ApplyLoop once this stream's chunks drain
       }
       if (spare_.empty()) {
-        read_buffer_ = std::make_unique<pb::IngestRequest>();
+        read_buffer_ = std::make_unique<ReceivedIngestRequest>();
       } else {
         read_buffer_ = std::move(spare_.back());
         spare_.pop_back();
       }
-      target = read_buffer_.get();
+      target = read_buffer_->buffer();
       reading_ = true;
     }
     StartRead(target);
   }
 
   void StartNextWrite() {
-    const pb::IngestResponse* message = nullptr;
+    const grpc::ByteBuffer* message = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (writing_ || writes_.empty() || finished_) return;
@@ -515,7 +547,7 @@ class IngestReactor final
 
   void ApplyLoop() {
     for (;;) {
-      std::unique_ptr<pb::IngestRequest> request;
+      std::unique_ptr<ReceivedIngestRequest> request;
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (pending_.empty() || failed_) {
@@ -536,25 +568,36 @@ class IngestReactor final
         Finish(final_for_finish_);
         return;
       }
-      absl::StatusOr<pb::IngestResponse> response =
-          service_->ApplyChunk(tenant_, *request);
+      const int64_t bytes = static_cast<int64_t>(request->wire_bytes());
+      absl::StatusOr<pb::IngestResponse> response;
+      if (absl::Status parsed = request->Parse(); !parsed.ok()) {
+        response = std::move(parsed);
+      } else {
+        response = service_->ApplyChunk(tenant_, request->header(),
+                                        request->data(), request->data_bytes());
+      }
+      grpc::ByteBuffer serialized;
+      if (response.ok()) {
+        bool own = false;
+        grpc::Status s =
+            grpc::SerializationTraits<pb::IngestResponse>::Serialize(
+                *response, &serialized, &own);
+        if (!s.ok()) response = absl::InternalError(s.error_message());
+      }
       {
         std::lock_guard<std::mutex> lock(mu_);
-        const int64_t bytes = static_cast<int64_t>(request->data().size());
         if (!failed_) {
           pending_bytes_ -= bytes;
           service_->AddInflight(-bytes);
         }
-        if (spare_.size() < kMaxSpareRequests &&
-            request->data().capacity() <= kMaxSpareBytes) {
-          // Cleared, the message keeps its data buffer: the next read
-          // parses into it instead of allocating (and faulting in) a new
-          // one.
-          request->Clear();
+        // Cleared (the received slices released), the request keeps its
+        // vectors for the next read.
+        request->Clear();
+        if (spare_.size() < kMaxSpareRequests) {
           spare_.push_back(std::move(request));
         }
         if (response.ok()) {
-          if (!failed_) writes_.push_back(*std::move(response));
+          if (!failed_) writes_.push_back(std::move(serialized));
         } else {
           service_->metrics_.RecordReject(
               static_cast<int>(response.status().code()));
@@ -580,11 +623,11 @@ class IngestReactor final
   const Clock::time_point start_;
   std::string tenant_;  // set once, before the first read
   std::mutex mu_;
-  std::unique_ptr<pb::IngestRequest> read_buffer_;
-  std::deque<std::unique_ptr<pb::IngestRequest>> pending_;
-  std::vector<std::unique_ptr<pb::IngestRequest>> spare_;
+  std::unique_ptr<ReceivedIngestRequest> read_buffer_;
+  std::deque<std::unique_ptr<ReceivedIngestRequest>> pending_;
+  std::vector<std::unique_ptr<ReceivedIngestRequest>> spare_;
   int64_t pending_bytes_ = 0;
-  std::deque<pb::IngestResponse> writes_;  // front is being written
+  std::deque<grpc::ByteBuffer> writes_;  // front is being written
   bool reading_ = false;
   bool read_closed_ = false;
   bool applying_ = false;
@@ -626,8 +669,8 @@ void CalibrationService::DrainStreams() {
   }
 }
 
-grpc::ServerBidiReactor<pb::IngestRequest, pb::IngestResponse>*
-CalibrationService::Ingest(grpc::CallbackServerContext* context) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
+CalibrationService::IngestRaw(grpc::CallbackServerContext* context) {
   return new IngestReactor(this, context);
 }
 

@@ -82,8 +82,11 @@ class CalibrationService final
       grpc::CallbackServerContext* context,
       const kvcal::v1::DeleteSessionRequest* request,
       kvcal::v1::DeleteSessionResponse* response) override;
-  grpc::ServerBidiReactor<kvcal::v1::IngestRequest, kvcal::v1::IngestResponse>*
-  Ingest(grpc::CallbackServerContext* context) override;
+  // Ingest is served raw (ByteBuffer in, ByteBuffer out): chunk data is read
+  // in place from gRPC's receive buffer (ingest_wire.h), never copied into a
+  // message. The constructor installs this handler for the method.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestRaw(
+      grpc::CallbackServerContext* context);
   grpc::ServerUnaryReactor* Finalize(
       grpc::CallbackServerContext* context,
       const kvcal::v1::FinalizeRequest* request,
@@ -116,9 +119,13 @@ class CalibrationService final
   template <typename Body>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context,
                                   const char* method, bool offload, Body body);
-  // Applies one chunk; the response or the status that ends the stream.
+  // Applies one chunk: `request` without its data, which is `data` (views
+  // into the received message); the response or the status that ends the
+  // stream.
   absl::StatusOr<kvcal::v1::IngestResponse> ApplyChunk(
-      const std::string& tenant, const kvcal::v1::IngestRequest& request);
+      const std::string& tenant, const kvcal::v1::IngestRequest& request,
+      const std::vector<absl::Span<const std::byte>>& data,
+      uint64_t data_bytes);
 
   // In-flight accounting shared by all Ingest streams.
   // SessionInfoToProto plus what the service knows (persistence).

@@ -132,7 +132,7 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
   producer->watermark = sequence;
   chunks_applied_.fetch_add(1, std::memory_order_relaxed);
   values_ingested_.fetch_add(extent->elements(), std::memory_order_relaxed);
-  bytes_ingested_.fetch_add(chunk.data.size(), std::memory_order_relaxed);
+  bytes_ingested_.fetch_add(chunk.byte_size(), std::memory_order_relaxed);
   return IngestOutcome{true, sequence, producer->durable_watermark};
 }
 

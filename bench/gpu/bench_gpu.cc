@@ -174,7 +174,8 @@ absl::Status Run(const Options& options) {
                     .batch = 0,
                     .data = absl::Span<const std::byte>(
                         reinterpret_cast<const std::byte*>(buffer.get()),
-                        tokens * kHeads * kHeadDim * element_size)};
+                        tokens * kHeads * kHeadDim * element_size),
+                    .pieces = {}};
     const double chunk_bytes = static_cast<double>(chunk.data.size());
     // First chunk: the tails are empty, so every value is a candidate.
     const Clock::time_point first = Clock::now();
@@ -268,7 +269,8 @@ absl::Status Run(const Options& options) {
         .layout = Layout::kTokensHeadsDim,
         .shape = {tokens, kHeads, kHeadDim},
         .data = absl::Span<const std::byte>(
-            reinterpret_cast<const std::byte*>(host.data()), staged_bytes)};
+            reinterpret_cast<const std::byte*>(host.data()), staged_bytes),
+        .pieces = {}};
     KVCAL_RETURN_IF_ERROR(backend->Accumulate(chunk));
     KVCAL_RETURN_IF_ERROR(backend->Synchronize());
     KVCAL_ASSIGN_OR_RETURN(const double gbps,

@@ -5,8 +5,12 @@
 // heads' statistics. The kernels walk the chunk in memory order (rows of
 // head runs, run_kernels.h); a large chunk is split over the thread pool by
 // rows (per-task partial histograms and tails, merged exactly at the end)
-// or, when those partials would be large, by groups of heads.
+// or, when those partials would be large, by groups of heads. A chunk that
+// arrived in pieces (ChunkView::pieces) is walked in place by one thread.
 #include <algorithm>
+#include <array>
+#include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -15,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/run_kernels.h"
+#include "kernels/cpu/run_kernels_internal.h"
 #include "kernels/element_math.h"
 #include "kernels/thread_pool.h"
 #include "util/status_macros.h"
@@ -28,6 +33,98 @@ constexpr uint64_t kMinValuesPerTask = 1 << 15;
 // Rows are split over threads only while each task's partial histograms
 // (heads x bins x 8 bytes) stay this small; beyond, heads are.
 constexpr size_t kMaxPartialHistogramBytes = size_t{1} << 20;
+
+// Turns a chunk that arrived in pieces into spans for one SpansFn call,
+// reading the pieces in place, so that the spans' blocks are exactly those
+// of the chunk read in one piece: every span starts at a block boundary of
+// its run (kBlockValues, run_kernels_internal.h) and ends at one or at the
+// run's end. A block cut by a piece boundary (and a value split between two
+// pieces) is put together in a small buffer. The statistics then do not
+// depend on where the receive buffers were cut.
+class PieceWalker {
+ public:
+  PieceWalker(const ChunkExtent& extent, size_t element_size)
+      : extent_(extent), element_size_(element_size) {}
+
+  void Add(const std::vector<absl::Span<const std::byte>>& pieces) {
+    for (const absl::Span<const std::byte>& piece : pieces) {
+      const std::byte* p = piece.data();
+      size_t left = piece.size();
+      if (carried_ != 0) {
+        const size_t take = std::min(left, element_size_ - carried_);
+        std::memcpy(carry_ + carried_, p, take);
+        carried_ += take;
+        p += take;
+        left -= take;
+        if (carried_ < element_size_) continue;
+        Range(carry_, 1);
+        carried_ = 0;
+      }
+      const uint64_t whole = left / element_size_;
+      Range(p, whole);
+      p += whole * element_size_;
+      left -= whole * element_size_;
+      std::memcpy(carry_, p, left);
+      carried_ = left;
+    }
+  }
+
+  const std::vector<cpu::RowSpan>& spans() const { return spans_; }
+
+ private:
+  static constexpr uint64_t kBlock = cpu::internal::kBlockValues;
+
+  // `count` contiguous values at p: the chunk's values [next_, next_ +
+  // count).
+  void Range(const std::byte* p, uint64_t count) {
+    const uint64_t run = extent_.inner;
+    const uint64_t row = extent_.heads * run;
+    while (count > 0) {
+      const uint64_t h = (next_ / run) % extent_.heads;
+      const uint64_t i = next_ % run;
+      const uint64_t block_begin = i - i % kBlock;
+      const uint64_t block_end = std::min(block_begin + kBlock, run);
+      uint64_t n = 0;
+      if (i != block_begin || count < block_end - i) {
+        // Part of a block: gathered until the block is complete.
+        if (i == block_begin) pending_ = &blocks_.emplace_back();
+        n = std::min(count, block_end - i);
+        std::memcpy(pending_->data() + (i - block_begin) * element_size_, p,
+                    n * element_size_);
+        if (i + n == block_end) {
+          spans_.push_back(
+              {pending_->data(), 1, 0, h, 1, block_end - block_begin});
+        }
+      } else if (i != 0 || count < run) {
+        // Whole blocks of one run (up to its end, or a block boundary).
+        n = count >= run - i ? run - i : count - count % kBlock;
+        spans_.push_back({p, 1, 0, h, 1, n});
+      } else if (h != 0 || count < row) {
+        const uint64_t runs =
+            std::min<uint64_t>(extent_.heads - h, count / run);
+        n = runs * run;
+        spans_.push_back({p, 1, 0, h, runs, run});
+      } else {
+        const uint64_t rows = count / row;
+        n = rows * row;
+        spans_.push_back({p, rows, row, 0, extent_.heads, run});
+      }
+      p += n * element_size_;
+      next_ += n;
+      count -= n;
+    }
+  }
+
+  const ChunkExtent extent_;
+  const size_t element_size_;
+  uint64_t next_ = 0;  // flat index of the next value
+  std::vector<cpu::RowSpan> spans_;
+  // Blocks put together from several pieces (stable addresses).
+  std::deque<std::array<std::byte, kBlock * 4>> blocks_;
+  std::array<std::byte, kBlock* 4>* pending_ = nullptr;
+  std::byte carry_[8];
+  size_t carried_ = 0;
+};
 
 // One task walks rows [row_begin, row_end) of heads [head_begin, head_end)
 // of a chunk in memory order. A task that owns its heads' rows entirely (or
@@ -58,7 +155,19 @@ class CpuBackend final : public StatisticsBackend {
   absl::string_view name() const override { return "cpu"; }
   const Geometry& geometry() const override { return stats_.geometry(); }
 
-  absl::Status Accumulate(const ChunkView& chunk) override {
+  absl::Status Accumulate(const ChunkView& in) override {
+    // f32 in pieces is gathered (one copy): its loops keep no state across
+    // calls, so in place its sums would depend on where the pieces were cut.
+    ChunkView gathered;
+    std::vector<std::byte> gathered_bytes;
+    if (in.dtype == DType::kF32 && !in.pieces.empty()) {
+      gathered = in;
+      gathered.pieces.clear();
+      gathered_bytes.resize(in.byte_size());
+      in.CopyBytes(0, gathered_bytes.size(), gathered_bytes.data());
+      gathered.data = absl::MakeConstSpan(gathered_bytes);
+    }
+    const ChunkView& chunk = gathered_bytes.empty() ? in : gathered;
     KVCAL_ASSIGN_OR_RETURN(ChunkExtent extent,
                            ValidateChunk(stats_.geometry(), chunk));
     if (extent.elements() == 0) return absl::OkStatus();
@@ -77,7 +186,13 @@ class CpuBackend final : public StatisticsBackend {
 
     std::lock_guard<std::mutex> lock(
         locks_[chunk.layer * 3 + static_cast<size_t>(RoleIndex(chunk.role))]);
-    std::vector<ChunkTask> tasks = Plan(extent, bins);
+    // A chunk in pieces is walked by one thread, piece by piece, in place.
+    std::vector<ChunkTask> tasks =
+        chunk.pieces.empty() ? Plan(extent, bins) : std::vector<ChunkTask>(1);
+    if (!chunk.pieces.empty()) {
+      tasks[0].row_end = extent.outer;
+      tasks[0].head_end = extent.heads;
+    }
     for (ChunkTask& task : tasks) {
       const size_t n = task.head_end - task.head_begin;
       task.accs.resize(n);
@@ -102,7 +217,13 @@ class CpuBackend final : public StatisticsBackend {
               task.head_end - task.head_begin, extent.inner, task.accs.data());
     };
 
-    if (tasks.size() == 1) {
+    if (!chunk.pieces.empty()) {
+      PieceWalker walker(extent, element_size);
+      walker.Add(chunk.pieces);
+      cpu::BestSpansFn(chunk.dtype)(walker.spans().data(),
+                                    walker.spans().size(), extent.heads,
+                                    tasks[0].accs.data());
+    } else if (tasks.size() == 1) {
       run(tasks[0]);
     } else {
       ThreadPool& pool = pool_ ? *pool_ : ThreadPool::Shared();

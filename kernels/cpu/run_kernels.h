@@ -1,8 +1,10 @@
 // Inner loops of the CPU backend: one pass over the runs of a chunk that
 // updates, per head, min, max, counts, moments, the |x| histogram and the
-// exact tail together. A portable scalar version and an AVX2 version (chosen
-// at run time when the CPU has AVX2, F16C and FMA) compute identical min, max,
-// counts, histograms and tails; the double sums differ only by rounding.
+// exact tail together. Three versions: portable scalar, AVX2 (+F16C, FMA)
+// and AVX-512 (F, BW, VL, DQ), chosen at run time from what the CPU has,
+// capped by the environment variable KVCAL_CPU_ISA=scalar|avx2|avx512. All
+// three give the same bits for every statistic, the double sums included:
+// run_kernels_internal.h defines the order of the sums that they share.
 //
 // Both layouts of a chunk are rows of head runs (types.h ChunkExtent: element
 // (o, h, i) at (o * heads + h) * inner + i), so one kernel walks either in
@@ -20,6 +22,8 @@
 #include <limits>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/types.h"
 
 namespace kvcal::cpu {
@@ -67,8 +71,46 @@ using RowsFn = void (*)(const void* data, size_t rows, size_t stride,
 RowsFn ScalarRowsFn(DType dtype);
 // nullptr when this build or this CPU has no AVX2/F16C/FMA.
 RowsFn Avx2RowsFn(DType dtype);
-// The fastest available implementation.
+// nullptr when this build or this CPU has no AVX-512 F/BW/VL/DQ (f32 uses
+// the AVX2 loop: its double sums need the same order on both).
+RowsFn Avx512RowsFn(DType dtype);
+
+// rows x heads runs of `length` values at `data`: the run of row r and span
+// head j starts (r * stride + j * length) elements after `data` and goes to
+// accs[head + j].
+struct RowSpan {
+  const void* data;
+  size_t rows;
+  size_t stride;
+  size_t head;
+  size_t heads;
+  size_t length;
+};
+// Adds `count` spans, in order, to accs[0, heads): for a chunk that arrived
+// in pieces. The 16-bit loops keep one state per head over all the spans
+// (what they would keep over one call), the others call their RowsFn per
+// span; every ISA gives the same bits.
+using SpansFn = void (*)(const RowSpan* spans, size_t count, size_t heads,
+                         RunAccumulator* accs);
+SpansFn ScalarSpansFn(DType dtype);
+SpansFn Avx2SpansFn(DType dtype);    // nullptr without AVX2
+SpansFn Avx512SpansFn(DType dtype);  // nullptr without AVX-512
+
+// Instruction sets of the inner loops, narrowest first.
+enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+absl::string_view CpuIsaName(CpuIsa isa);
+absl::StatusOr<CpuIsa> ParseCpuIsa(absl::string_view text);
+// The widest instruction set that this build and this CPU support.
+CpuIsa SupportedCpuIsa();
+// SupportedCpuIsa(), capped by KVCAL_CPU_ISA when set (read once; an unknown
+// value is ignored with a message on stderr).
+CpuIsa ActiveCpuIsa();
+// The loop of `isa`; nullptr when this build or CPU lacks it.
+RowsFn RowsFnFor(CpuIsa isa, DType dtype);
+// RowsFnFor(ActiveCpuIsa(), dtype).
 RowsFn BestRowsFn(DType dtype);
+SpansFn SpansFnFor(CpuIsa isa, DType dtype);
+SpansFn BestSpansFn(DType dtype);
 
 }  // namespace kvcal::cpu
 

@@ -24,9 +24,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
+#include <new>
 #include <vector>
 
+#include "kernels/cpu/run_kernels_internal.h"
 #include "kernels/element_math.h"
 
 namespace kvcal::cpu {
@@ -205,7 +209,7 @@ __attribute__((always_inline)) inline bool SumsNonFinite(const Lanes& a,
 // overflow counts that the fast path gave them (sub: the head's
 // sub-histograms, or null). Kept out of line so that the fast path keeps its
 // registers.
-template <DType kDType>
+template <DType kDType, bool kHistogram>
 __attribute__((noinline)) void RedoBlockCarefully(const unsigned char* p,
                                                   size_t pairs, bool single,
                                                   HeadState& s, uint32_t* sub,
@@ -251,7 +255,8 @@ __attribute__((noinline)) void RedoBlockCarefully(const unsigned char* p,
     __m256 a, b;
     Load16<kDType>(p, a, b);
     add(a, s.even);
-    add(b, s.odd);
+    // The fast path's lanes: with histograms b goes to the even set too.
+    add(b, kHistogram ? s.even : s.odd);
   }
   if (single) add(Load8<kDType>(p), s.even);
 }
@@ -381,7 +386,8 @@ __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
     }
     if (single) add_fast(Load8<kDType>(q), even, sub, tail, threshold);
     if (SumsNonFinite(even, odd)) [[unlikely]] {
-      RedoBlockCarefully<kDType>(p, pairs, single, s, sub, overflow);
+      RedoBlockCarefully<kDType, kHistogram>(p, pairs, single, s, sub,
+                                             overflow);
     } else {
       s.even = even;
       s.odd = odd;
@@ -473,6 +479,155 @@ void Avx2Dispatch(const void* data, size_t rows, size_t stride, size_t heads,
                                         accs);
 }
 
+// The 16-bit loop (run_kernels_16bit.inc) on 16 float lanes held as two
+// AVX2 registers: lanes 0..7 in lo, 8..15 in hi.
+struct V {
+  static constexpr size_t kInterleave = 8;
+  struct F {
+    __m256 lo;
+    __m256 hi;
+  };
+  struct Bins {
+    __m128i shift;
+    __m256i offset;
+    __m256i overflow;
+    __m256i lane;
+  };
+
+  static Bins MakeBins(uint32_t log2_bins) {
+    Bins b;
+    b.shift = _mm_cvtsi32_si128(static_cast<int>(23u - log2_bins));
+    b.offset = _mm256_set1_epi32(static_cast<int>(
+        ((127 + kHistogramMinExponent) << log2_bins) - kFirstOctaveBin));
+    b.overflow =
+        _mm256_set1_epi32(static_cast<int>(HistogramBinCount(log2_bins) - 1));
+    b.lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return b;
+  }
+  static __attribute__((always_inline)) F ZeroF() {
+    return F{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
+  static __attribute__((always_inline)) F SetF(float x) {
+    return F{_mm256_set1_ps(x), _mm256_set1_ps(x)};
+  }
+  template <DType kDType>
+  static __attribute__((always_inline)) void LoadGroup(const unsigned char* p,
+                                                       F& a, F& b) {
+    if constexpr (kDType == DType::kBf16) {
+      const __m256i v0 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i v1 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+      a = F{_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16))};
+      b = F{_mm256_castsi256_ps(_mm256_and_si256(v0, high)),
+            _mm256_castsi256_ps(_mm256_and_si256(v1, high))};
+    } else {
+      auto half = [p](size_t offset) {
+        return _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + offset)));
+      };
+      a = F{half(0), half(16)};
+      b = F{half(32), half(48)};
+    }
+  }
+  static __attribute__((always_inline)) F Add(F a, F b) {
+    return F{_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+  }
+  // acc + x * x as a product then a sum (never fused: the files of the
+  // vector loops are compiled with -ffp-contract=off).
+  static __attribute__((always_inline)) F SquareAdd(F x, F acc) {
+    return F{_mm256_add_ps(acc.lo, _mm256_mul_ps(x.lo, x.lo)),
+             _mm256_add_ps(acc.hi, _mm256_mul_ps(x.hi, x.hi))};
+  }
+  static __attribute__((always_inline)) F Min(F a, F b) {
+    return F{_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)};
+  }
+  static __attribute__((always_inline)) F Max(F a, F b) {
+    return F{_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)};
+  }
+  static __attribute__((always_inline)) F Abs(F x) {
+    const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    return F{_mm256_and_ps(x.lo, m), _mm256_and_ps(x.hi, m)};
+  }
+  static __attribute__((always_inline)) uint32_t GreaterMask(F a, F t) {
+    return static_cast<uint32_t>(
+               _mm256_movemask_ps(_mm256_cmp_ps(a.lo, t.lo, _CMP_GT_OQ))) |
+           (static_cast<uint32_t>(
+                _mm256_movemask_ps(_mm256_cmp_ps(a.hi, t.hi, _CMP_GT_OQ)))
+            << 8);
+  }
+  static __attribute__((always_inline)) void StoreF(F x, float* out) {
+    _mm256_store_ps(out, x.lo);
+    _mm256_store_ps(out + 8, x.hi);
+  }
+  static __attribute__((always_inline)) __m256i NonFinite(__m256 x) {
+    const __m256i e = _mm256_set1_epi32(0x7f800000);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(x), e), e);
+  }
+  static __attribute__((always_inline)) bool AnyNonFinite(F a, F b, F c, F d) {
+    const __m256i bad = _mm256_or_si256(
+        _mm256_or_si256(_mm256_or_si256(NonFinite(a.lo), NonFinite(a.hi)),
+                        _mm256_or_si256(NonFinite(b.lo), NonFinite(b.hi))),
+        _mm256_or_si256(_mm256_or_si256(NonFinite(c.lo), NonFinite(c.hi)),
+                        _mm256_or_si256(NonFinite(d.lo), NonFinite(d.hi))));
+    return !_mm256_testz_si256(bad, bad);
+  }
+  // True when every lane of a and b is below t (NaN lanes count as not).
+  static __attribute__((always_inline)) bool AllBelow(F a, F b, float t) {
+    const __m256 tv = _mm256_set1_ps(t);
+    const __m256 below =
+        _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(a.lo, tv, _CMP_LT_OQ),
+                                    _mm256_cmp_ps(a.hi, tv, _CMP_LT_OQ)),
+                      _mm256_and_ps(_mm256_cmp_ps(b.lo, tv, _CMP_LT_OQ),
+                                    _mm256_cmp_ps(b.hi, tv, _CMP_LT_OQ)));
+    return _mm256_movemask_ps(below) == 0xff;
+  }
+  static __attribute__((always_inline)) void AddToDoubleLanes(F x, double* d) {
+    const __m256d parts[4] = {_mm256_cvtps_pd(_mm256_castps256_ps128(x.lo)),
+                              _mm256_cvtps_pd(_mm256_extractf128_ps(x.lo, 1)),
+                              _mm256_cvtps_pd(_mm256_castps256_ps128(x.hi)),
+                              _mm256_cvtps_pd(_mm256_extractf128_ps(x.hi, 1))};
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_pd(d + 4 * i,
+                       _mm256_add_pd(_mm256_loadu_pd(d + 4 * i), parts[i]));
+    }
+  }
+  static float MinLane(F x) { return HorizontalMin(_mm256_min_ps(x.lo, x.hi)); }
+  static float MaxLane(F x) { return HorizontalMax(_mm256_max_ps(x.lo, x.hi)); }
+  // Counts 16 values into the sub-histograms; the indices leave the
+  // registers through 64-bit extracts (see Avx2RowsGroup).
+  template <int kDelta>
+  static __attribute__((always_inline)) void Count(F x, const Bins& b,
+                                                   uint32_t* sub) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    for (__m256 half : {x.lo, x.hi}) {
+      const __m256i abs_bits =
+          _mm256_and_si256(_mm256_castps_si256(half), abs_mask);
+      const __m256i slot = _mm256_or_si256(
+          _mm256_slli_epi32(Bins8(abs_bits, b.shift, b.offset, b.overflow), 3),
+          b.lane);
+      const __m128i lo = _mm256_castsi256_si128(slot);
+      const __m128i hi = _mm256_extracti128_si256(slot, 1);
+      const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(lo));
+      const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(lo, 1));
+      const auto p2 = static_cast<uint64_t>(_mm_cvtsi128_si64(hi));
+      const auto p3 = static_cast<uint64_t>(_mm_extract_epi64(hi, 1));
+      sub[static_cast<uint32_t>(p0)] += kDelta;
+      sub[p0 >> 32] += kDelta;
+      sub[static_cast<uint32_t>(p1)] += kDelta;
+      sub[p1 >> 32] += kDelta;
+      sub[static_cast<uint32_t>(p2)] += kDelta;
+      sub[p2 >> 32] += kDelta;
+      sub[static_cast<uint32_t>(p3)] += kDelta;
+      sub[p3 >> 32] += kDelta;
+    }
+  }
+};
+
+#include "kernels/cpu/run_kernels_16bit.inc"
+
 // F16C is read from CPUID (leaf 1, ECX bit 29): clang's
 // __builtin_cpu_supports does not know "f16c" (clang 14).
 bool CpuHasF16c() {
@@ -494,9 +649,22 @@ RowsFn Avx2RowsFn(DType dtype) {
     case DType::kF32:
       return &Avx2Dispatch<DType::kF32>;
     case DType::kF16:
-      return &Avx2Dispatch<DType::kF16>;
+      return &Dispatch16<DType::kF16>;
     case DType::kBf16:
-      return &Avx2Dispatch<DType::kBf16>;
+      return &Dispatch16<DType::kBf16>;
+  }
+  return nullptr;
+}
+
+SpansFn Avx2SpansFn(DType dtype) {
+  if (!CpuHasAvx2()) return nullptr;
+  switch (dtype) {
+    case DType::kF32:
+      return &internal::SpansByRows<&Avx2Dispatch<DType::kF32>>;
+    case DType::kF16:
+      return &SpansDispatch16<DType::kF16>;
+    case DType::kBf16:
+      return &SpansDispatch16<DType::kBf16>;
   }
   return nullptr;
 }
@@ -507,6 +675,7 @@ RowsFn Avx2RowsFn(DType dtype) {
 
 namespace kvcal::cpu {
 RowsFn Avx2RowsFn(DType) { return nullptr; }
+SpansFn Avx2SpansFn(DType) { return nullptr; }
 }  // namespace kvcal::cpu
 
 #endif

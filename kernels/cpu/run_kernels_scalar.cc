@@ -2,8 +2,10 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <vector>
 
 #include "kernels/cpu/run_kernels.h"
+#include "kernels/cpu/run_kernels_internal.h"
 #include "kernels/element_math.h"
 
 namespace kvcal::cpu {
@@ -98,23 +100,226 @@ void ScalarRows(const void* data, size_t rows, size_t stride, size_t heads,
   }
 }
 
+template <DType kDType>
+void CarefulBlock(const unsigned char* p, size_t n, size_t tail_from,
+                  RunAccumulator& acc, internal::DoubleLanes& lanes);
+
+// 16-bit values in the canonical order (run_kernels_internal.h).
+template <DType kDType>
+void Scalar16Spans(const RowSpan* spans, size_t count, size_t heads,
+                   RunAccumulator* accs) {
+  using internal::kBlockValues;
+  using internal::kGroupValues;
+  using internal::kLanes;
+  std::vector<internal::DoubleLanes> lanes(heads, internal::DoubleLanes{});
+  for (const RowSpan* span = spans; span != spans + count; ++span) {
+    const auto* base = static_cast<const unsigned char*>(span->data);
+    const size_t length = span->length;
+    for (size_t r = 0; r < span->rows; ++r) {
+      for (size_t j = 0; j < span->heads; ++j) {
+        const size_t h = span->head + j;
+        const unsigned char* run = base + (r * span->stride + j * length) * 2;
+        for (size_t b = 0; b < length; b += kBlockValues) {
+          const unsigned char* p = run + b * 2;
+          const size_t n = std::min(kBlockValues, length - b);
+          float s[2 * kLanes] = {}, q[2 * kLanes] = {};
+          for (size_t i = 0; i < n; ++i) {
+            const float x = LoadValue<kDType>(p, i);
+            const size_t lane = internal::Lane16(kDType, i % kGroupValues);
+            s[lane] += x;
+            q[lane] += x * x;  // exact for 16-bit x: no contraction question
+          }
+          bool finite = true, tiny = true;
+          for (size_t k = 0; k < 2 * kLanes; ++k) {
+            finite &= !internal::NonFiniteBits(FloatBits(s[k])) &&
+                      !internal::NonFiniteBits(FloatBits(q[k]));
+            tiny &= q[k] < internal::kTinySquares;
+          }
+          if (finite && !tiny) {
+            for (size_t k = 0; k < kLanes; ++k) {
+              lanes[h].sum[k] += static_cast<double>(s[k] + s[kLanes + k]);
+              lanes[h].sum_squares[k] +=
+                  static_cast<double>(q[k] + q[kLanes + k]);
+            }
+            internal::ExactStats16(kDType, p, n, accs[h]);
+          } else {
+            CarefulBlock<kDType>(p, n, 0, accs[h], lanes[h]);
+          }
+        }
+      }
+    }
+  }
+  for (size_t h = 0; h < heads; ++h) {
+    accs[h].sum += internal::FoldLanes(lanes[h].sum);
+    accs[h].sum_squares += internal::FoldLanes(lanes[h].sum_squares);
+  }
+}
+
+template <DType kDType>
+void Scalar16Rows(const void* data, size_t rows, size_t stride, size_t heads,
+                  size_t length, RunAccumulator* accs) {
+  const RowSpan span{data, rows, stride, 0, heads, length};
+  Scalar16Spans<kDType>(&span, 1, heads, accs);
+}
+
+// f32 values in the AVX2 kernel's order (run_kernels_internal.h).
+double FoldF32Lanes(const double* l) {
+  double d[4];
+  for (size_t k = 0; k < 4; ++k) {
+    d[k] = (l[k] + l[8 + k]) + (l[4 + k] + l[12 + k]);
+  }
+  return (d[0] + d[1]) + (d[2] + d[3]);
+}
+
+template <bool kHistogram>
+void ScalarF32Rows(const void* data, size_t rows, size_t stride, size_t heads,
+                   size_t length, RunAccumulator* accs) {
+  if (length < 8) {
+    return ScalarRows<DType::kF32>(data, rows, stride, heads, length, accs);
+  }
+  const auto* base = static_cast<const unsigned char*>(data);
+  const size_t vector_values = 16 * (length / 16) + 8 * ((length / 8) % 2);
+  const size_t rest = length % 8;
+  std::vector<internal::DoubleLanes> lanes(heads, internal::DoubleLanes{});
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t h = 0; h < heads; ++h) {
+      const unsigned char* p = base + (r * stride + h * length) * 4;
+      RunAccumulator& acc = accs[h];
+      internal::DoubleLanes& l = lanes[h];
+      for (size_t i = 0; i < vector_values; ++i) {
+        const float x = CanonicalZero(LoadValue<DType::kF32>(p, i));
+        if (IsNonFinite(x)) {
+          ++(IsNan(x) ? acc.nan : acc.inf);
+          continue;
+        }
+        ++acc.finite;
+        acc.min = std::min(acc.min, x);
+        acc.max = std::max(acc.max, x);
+        const size_t lane = kHistogram ? i % 8 : i % 16;
+        l.sum[lane] += x;
+        l.sum_squares[lane] += static_cast<double>(x) * x;
+        if (acc.histogram != nullptr) {
+          ++acc.histogram[HistogramBin(x, acc.log2_bins_per_octave)];
+        }
+        if (acc.tail != nullptr) {
+          const float a = std::fabs(x);
+          if (a > acc.tail->threshold()) acc.tail->Offer(a);
+        }
+      }
+      if (rest != 0) {
+        ScalarRun<DType::kF32>(p + (length - rest) * 4, rest, acc);
+      }
+    }
+  }
+  for (size_t h = 0; h < heads; ++h) {
+    accs[h].sum += FoldF32Lanes(lanes[h].sum);
+    accs[h].sum_squares += FoldF32Lanes(lanes[h].sum_squares);
+  }
+}
+
+void ScalarF32Dispatch(const void* data, size_t rows, size_t stride,
+                       size_t heads, size_t length, RunAccumulator* accs) {
+  if (rows == 0 || heads == 0 || length == 0) return;
+  if (accs[0].histogram != nullptr) {
+    return ScalarF32Rows<true>(data, rows, stride, heads, length, accs);
+  }
+  return ScalarF32Rows<false>(data, rows, stride, heads, length, accs);
+}
+
+// Values [begin, end) of a block: exact statistics, and (when `lanes`) the
+// double redo of the sums, value i going to its canonical lane.
+template <DType kDType>
+void AddExact16(const unsigned char* p, size_t begin, size_t end,
+                bool offer_tail, RunAccumulator& acc,
+                internal::DoubleLanes* lanes) {
+  for (size_t i = begin; i < end; ++i) {
+    const float x = CanonicalZero(LoadValue<kDType>(p, i));
+    if (IsNonFinite(x)) {
+      ++(IsNan(x) ? acc.nan : acc.inf);
+      continue;
+    }
+    ++acc.finite;
+    acc.min = std::min(acc.min, x);
+    acc.max = std::max(acc.max, x);
+    if (lanes != nullptr) {
+      const size_t lane = internal::Lane16(kDType, i % internal::kGroupValues) %
+                          internal::kLanes;
+      lanes->sum[lane] += static_cast<double>(x);
+      lanes->sum_squares[lane] += static_cast<double>(x) * x;
+    }
+    if (acc.histogram != nullptr) {
+      ++acc.histogram[HistogramBin(x, acc.log2_bins_per_octave)];
+    }
+    if (offer_tail && acc.tail != nullptr) {
+      const float a = std::fabs(x);
+      if (a > acc.tail->threshold()) acc.tail->Offer(a);
+    }
+  }
+}
+
+template <DType kDType>
+void CarefulBlock(const unsigned char* p, size_t n, size_t tail_from,
+                  RunAccumulator& acc, internal::DoubleLanes& lanes) {
+  const size_t from = std::min(tail_from, n);
+  AddExact16<kDType>(p, 0, from, false, acc, &lanes);
+  AddExact16<kDType>(p, from, n, true, acc, &lanes);
+}
+
 }  // namespace
+
+namespace internal {
+
+double FoldLanes(const double* lanes) {
+  double t[kLanes];
+  std::copy(lanes, lanes + kLanes, t);
+  for (size_t width = kLanes / 2; width >= 1; width /= 2) {
+    for (size_t k = 0; k < width; ++k) t[k] += t[k + width];
+  }
+  return t[0];
+}
+
+void CarefulBlock16(DType dtype, const unsigned char* p, size_t n,
+                    size_t tail_from, RunAccumulator& acc, DoubleLanes& lanes) {
+  if (dtype == DType::kBf16) {
+    CarefulBlock<DType::kBf16>(p, n, tail_from, acc, lanes);
+  } else {
+    CarefulBlock<DType::kF16>(p, n, tail_from, acc, lanes);
+  }
+}
+
+void ExactStats16(DType dtype, const unsigned char* p, size_t n,
+                  RunAccumulator& acc) {
+  if (dtype == DType::kBf16) {
+    AddExact16<DType::kBf16>(p, 0, n, true, acc, nullptr);
+  } else {
+    AddExact16<DType::kF16>(p, 0, n, true, acc, nullptr);
+  }
+}
+
+}  // namespace internal
 
 RowsFn ScalarRowsFn(DType dtype) {
   switch (dtype) {
     case DType::kF32:
-      return &ScalarRows<DType::kF32>;
+      return &ScalarF32Dispatch;
     case DType::kF16:
-      return &ScalarRows<DType::kF16>;
+      return &Scalar16Rows<DType::kF16>;
     case DType::kBf16:
-      return &ScalarRows<DType::kBf16>;
+      return &Scalar16Rows<DType::kBf16>;
   }
   return nullptr;
 }
 
-RowsFn BestRowsFn(DType dtype) {
-  RowsFn fn = Avx2RowsFn(dtype);
-  return fn != nullptr ? fn : ScalarRowsFn(dtype);
+SpansFn ScalarSpansFn(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return &internal::SpansByRows<&ScalarF32Dispatch>;
+    case DType::kF16:
+      return &Scalar16Spans<DType::kF16>;
+    case DType::kBf16:
+      return &Scalar16Spans<DType::kBf16>;
+  }
+  return nullptr;
 }
 
 }  // namespace kvcal::cpu

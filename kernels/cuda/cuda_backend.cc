@@ -258,8 +258,6 @@ class CudaBackend final : public CudaStatisticsBackend {
     KVCAL_ASSIGN_OR_RETURN(const uint32_t slot, BatchSlotLocked(chunk.batch));
     const size_t element_size = DTypeSize(chunk.dtype);
     const ElementType type = ToElementType(chunk.dtype);
-    const auto* source =
-        reinterpret_cast<const unsigned char*>(chunk.data.data());
     return Poison(ForEachPiece(
         extent, chunk.head_offset, kStagingSlotBytes / element_size,
         [&](uint64_t first, const ChunkExtent& piece,
@@ -270,7 +268,7 @@ class CudaBackend final : public CudaStatisticsBackend {
           // The previous copy out of pinned[s] must be done before we refill
           // it; the kernels reading device[s] before the copy overwrites it.
           KVCAL_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied_[s].get()));
-          std::memcpy(pinned_[s].get(), source + first * element_size, bytes);
+          chunk.CopyBytes(first * element_size, bytes, pinned_[s].get());
           KVCAL_CUDA_RETURN_IF_ERROR(
               cudaStreamWaitEvent(copy_.get(), consumed_[s].get(), 0));
           KVCAL_CUDA_RETURN_IF_ERROR(
@@ -294,6 +292,10 @@ class CudaBackend final : public CudaStatisticsBackend {
 
   absl::Status AccumulateDeviceData(const ChunkView& chunk,
                                     CUevent_st* ready) override {
+    if (!chunk.pieces.empty()) {
+      return absl::InvalidArgumentError(
+          "device data must be one range (chunk.data), not pieces");
+    }
     KVCAL_ASSIGN_OR_RETURN(const ChunkExtent extent,
                            ValidateChunk(geometry_, chunk));
     if (extent.elements() == 0) return absl::OkStatus();

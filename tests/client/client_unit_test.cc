@@ -49,7 +49,8 @@ TEST(SplitChunkTest, SmallChunkIsKept) {
   ChunkView c{
       .shape = {4, 2, 8},
       .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4)};
+          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4),
+      .pieces = {}};
   EXPECT_EQ(SplitChunk(c, 1 << 20).size(), 1u);
 }
 
@@ -60,7 +61,8 @@ TEST(SplitChunkTest, TokensHeadsDimSplitsIntoTokenRanges) {
       .shape = {2, 5, 2, 8},  // two leading token dims
       .batch = 9,
       .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4)};
+          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4),
+      .pieces = {}};
   const auto parts = SplitChunk(c, 3 * 2 * 8 * 4);  // three tokens per part
   ASSERT_EQ(parts.size(), 4u);
   EXPECT_EQ(parts[0].shape, (std::vector<uint64_t>{3, 2, 8}));
@@ -75,7 +77,8 @@ TEST(SplitChunkTest, OversizedTokenSplitsItsHeads) {
       .shape = {3, 5, 8},
       .head_offset = 4,
       .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), data.size() * 2)};
+          reinterpret_cast<const std::byte*>(data.data()), data.size() * 2),
+      .pieces = {}};
   const auto parts = SplitChunk(c, 2 * 8 * 2);  // two heads of one token
   ASSERT_EQ(parts.size(), 9u);                  // 3 tokens x (2 + 2 + 1) heads
   EXPECT_EQ(parts[0].head_offset, 4u);
@@ -91,7 +94,8 @@ TEST(SplitChunkTest, HeadsTokensDimSplitsBatchThenHeadsThenSequence) {
       .layout = Layout::kHeadsTokensDim,
       .shape = {2, 3, 4, 8},
       .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4)};
+          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4),
+      .pieces = {}};
   // Whole batch entries.
   auto parts = SplitChunk(c, 3 * 4 * 8 * 4);
   ASSERT_EQ(parts.size(), 2u);

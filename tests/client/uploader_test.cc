@@ -114,7 +114,8 @@ class UploaderTest : public ::testing::Test {
                                   .layout = t.layout,
                                   .shape = t.shape,
                                   .batch = t.batch,
-                                  .data = t.data});
+                                  .data = t.data,
+                                  .pieces = {}});
     }
   }
 

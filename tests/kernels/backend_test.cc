@@ -13,7 +13,9 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -219,6 +221,53 @@ TYPED_TEST(BackendTest, ShapesLayoutsAndSizes) {
                           "head_dim " + std::to_string(head_dim) + " bins " +
                               std::to_string(bins));
       if (this->HasFailure()) return;
+    }
+  }
+}
+
+// A chunk handed over in pieces (as a message arrives in receive buffers),
+// cut at random byte offsets, values straddling pieces included, gives the
+// reference's statistics; a byte count that does not match is rejected. On
+// the CPU the result does not depend on where the pieces were cut: every
+// cutting gives the same bits.
+TYPED_TEST(BackendTest, ChunkInPiecesMatchesReference) {
+  Rng rng(41);
+  const Geometry g = MakeGeometry(1, 4, 4, 48, 16);
+  for (Layout layout : {Layout::kTokensHeadsDim, Layout::kHeadsTokensDim}) {
+    Placed p = layout == Layout::kTokensHeadsDim
+                   ? this->NewChunk(layout, {37, 4, 48}, 0, Role::kK)
+                   : this->NewChunk(layout, {2, 4, 19, 48}, 0, Role::kK);
+    p.chunk->Fill([&rng](const ElementIndex& at) {
+      if (at.flat % 997 == 5) return std::numeric_limits<float>::quiet_NaN();
+      return static_cast<float>(rng.Normal() * (1 + at.head));
+    });
+    std::optional<SessionStatistics> first;
+    for (uint64_t max_piece : {1u, 3u, 97u, 1000u, 5000u, 100000u}) {
+      ChunkView view = p.view();
+      const absl::Span<const std::byte> all = view.data;
+      view.data = {};
+      for (size_t at = 0; at < all.size();) {
+        const size_t n =
+            std::min<size_t>(all.size() - at, rng.UniformInt(1, max_piece));
+        view.pieces.push_back(all.subspan(at, n));
+        at += n;
+      }
+      auto backend = this->Make(g);
+      ASSERT_NE(backend, nullptr);
+      ASSERT_THAT(backend->Accumulate(view), IsOk());
+      Reference ref(g);
+      ref.Add(*p.chunk, 0, Role::kK);
+      const SessionStatistics snap = this->Snap(*backend);
+      ExpectMatchesReference(ref, snap,
+                             "pieces of at most " + std::to_string(max_piece));
+#if !defined(KVCAL_TEST_CUDA_BACKEND)
+      if (!first.has_value()) first = snap;
+      EXPECT_TRUE(snap == *first) << "pieces of at most " << max_piece;
+#endif
+      view.pieces.pop_back();
+      EXPECT_THAT(backend->Accumulate(view),
+                  StatusIs(absl::StatusCode::kInvalidArgument,
+                           HasSubstr("bytes, shape")));
     }
   }
 }

@@ -11,7 +11,8 @@
 #
 # KVCAL_PYTHON picks the interpreter for a new venv (default python3);
 # KVCAL_BUILD_DIR the build with service/kvcal-worker (default build/);
-# KVCAL_VLLM_DIR where vLLM's wheel is unpacked (default .venv/vllm-VERSION).
+# KVCAL_VLLM_DIR where vLLM's wheel is unpacked (default .venv/vllm-VERSION);
+# KVCAL_PYTHON_SETUP_ONLY=1 prepares the venv and runs nothing.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -110,6 +111,9 @@ if [ "$(cat "$pkg_stamp" 2>/dev/null)" != "$pkg_want" ]; then
     || die "pip install client/python failed"
   echo "$pkg_want" >"$pkg_stamp"
 fi
+
+# `./run bench` only wants the environment (for bench/python).
+if [ "${KVCAL_PYTHON_SETUP_ONLY:-0}" = 1 ]; then exit 0; fi
 
 cd "$ROOT"
 set +e

