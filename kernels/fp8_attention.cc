@@ -87,6 +87,17 @@ double Ratio(uint64_t part, uint64_t whole) {
                     : static_cast<double>(part) / static_cast<double>(whole);
 }
 
+// sum(part) / sum(whole) over every head.
+double WholeRatio(const std::vector<uint64_t>& part,
+                  const std::vector<uint64_t>& whole) {
+  uint64_t p = 0, w = 0;
+  for (size_t h = 0; h < whole.size(); ++h) {
+    p += part[h];
+    w += whole[h];
+  }
+  return Ratio(p, w);
+}
+
 }  // namespace
 
 Fp8AttentionErrorSums::Fp8AttentionErrorSums(uint32_t num_attention_heads,
@@ -130,22 +141,12 @@ double Fp8AttentionErrorSums::SubnormalShare(Role role, uint32_t head) const {
 
 double Fp8AttentionErrorSums::SaturatedShare(Role role) const {
   const QuantizationCounts& c = roles[RoleIndex(role)];
-  uint64_t part = 0, whole = 0;
-  for (size_t h = 0; h < c.values.size(); ++h) {
-    part += c.saturated[h];
-    whole += c.values[h];
-  }
-  return Ratio(part, whole);
+  return WholeRatio(c.saturated, c.values);
 }
 
 double Fp8AttentionErrorSums::SubnormalShare(Role role) const {
   const QuantizationCounts& c = roles[RoleIndex(role)];
-  uint64_t part = 0, whole = 0;
-  for (size_t h = 0; h < c.values.size(); ++h) {
-    part += c.subnormal[h];
-    whole += c.values[h];
-  }
-  return Ratio(part, whole);
+  return WholeRatio(c.subnormal, c.values);
 }
 
 absl::Status Fp8AttentionErrorSums::Merge(const Fp8AttentionErrorSums& other) {
@@ -249,19 +250,24 @@ absl::Status AccumulateFp8AttentionError(const AttentionInputs& in,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<float>> Fp8AttentionOutput(
-    const AttentionInputs& in, const HeadScales& scales,
-    const Fp8AttentionOptions& options) {
-  // Validates exactly as the error sums do (on scratch sums of one token's
-  // worth of work: the checks come before any arithmetic).
+absl::Status ValidateFp8Attention(const AttentionInputs& in,
+                                  const HeadScales& scales,
+                                  const Fp8AttentionOptions& options) {
+  // The error sums' own checks, on scratch sums of an empty sequence: they
+  // all come before any arithmetic.
   Fp8AttentionErrorSums scratch(in.num_attention_heads, in.num_key_value_heads);
   AttentionInputs empty = in;
   empty.tokens = 0;
   empty.q = {};
   empty.k = {};
   empty.v = {};
-  KVCAL_RETURN_IF_ERROR(
-      AccumulateFp8AttentionError(empty, scales, options, &scratch));
+  return AccumulateFp8AttentionError(empty, scales, options, &scratch);
+}
+
+absl::StatusOr<std::vector<float>> Fp8AttentionOutput(
+    const AttentionInputs& in, const HeadScales& scales,
+    const Fp8AttentionOptions& options) {
+  KVCAL_RETURN_IF_ERROR(ValidateFp8Attention(in, scales, options));
   const size_t q_size =
       size_t{in.tokens} * in.num_attention_heads * in.head_dim;
   const size_t kv_size =

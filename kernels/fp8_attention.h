@@ -104,6 +104,13 @@ absl::Status AccumulateFp8AttentionError(const AttentionInputs& inputs,
                                          const Fp8AttentionOptions& options,
                                          Fp8AttentionErrorSums* sums);
 
+// The checks of AccumulateFp8AttentionError on shapes, head counts and
+// scales, without any arithmetic (the output functions and the cuDNN path
+// validate through it).
+absl::Status ValidateFp8Attention(const AttentionInputs& inputs,
+                                  const HeadScales& scales,
+                                  const Fp8AttentionOptions& options = {});
+
 // The FP8 run's attention output of one sequence, [tokens,
 // num_attention_heads, head_dim] float32 (what AccumulateFp8AttentionError
 // compares with the reference); the same checks.

@@ -225,6 +225,7 @@ uint64_t ChunkView::byte_size() const {
 }
 
 void ChunkView::CopyBytes(uint64_t offset, size_t n, void* out) const {
+  if (n == 0) return;
   auto* dst = static_cast<std::byte*>(out);
   if (pieces.empty()) {
     std::memcpy(dst, data.data() + offset, n);

@@ -41,16 +41,16 @@ CalibrationService::CalibrationService(ServiceOptions options)
   metrics_.SetSessionGauge([this] { return registry_.size(); });
   // The generated service numbers its methods in the proto's order; a
   // reordered proto must not hand Ingest's raw handler to another method.
-  if (pb::Calibration::descriptor()->method(kIngestMethodIndex)->name() !=
-      "Ingest") {
+  const std::string& method = pb::IngestRequest::descriptor()
+                                  ->file()
+                                  ->FindServiceByName("Calibration")
+                                  ->method(kIngestMethodIndex)
+                                  ->name();
+  if (method != "Ingest") {
     std::fprintf(stderr,
                  "kvcal-worker: kvcal.v1.Calibration method %d is %s, not "
                  "Ingest: update kIngestMethodIndex\n",
-                 kIngestMethodIndex,
-                 pb::Calibration::descriptor()
-                     ->method(kIngestMethodIndex)
-                     ->name()
-                     .c_str());
+                 kIngestMethodIndex, method.c_str());
     std::abort();
   }
   // Ingest (method 4 of kvcal.v1.Calibration, in the order of the proto)

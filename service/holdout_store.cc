@@ -166,8 +166,10 @@ HoldoutChunk HoldoutChunk::Of(std::string producer_id, uint64_t sequence,
   c.layout = chunk.layout;
   c.shape = chunk.shape;
   c.head_offset = chunk.head_offset;
-  c.data.assign(reinterpret_cast<const char*>(chunk.data.data()),
-                chunk.data.size());
+  // A chunk from the zero-copy Ingest path is in gRPC's slices (`pieces`):
+  // the held-out copy gathers them.
+  c.data.resize(chunk.byte_size());
+  chunk.CopyBytes(0, c.data.size(), c.data.data());
   return c;
 }
 

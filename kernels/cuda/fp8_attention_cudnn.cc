@@ -142,15 +142,8 @@ bool HaveCudnnFp8Attention() { return true; }
 
 absl::StatusOr<std::vector<float>> CudnnFp8AttentionOutput(
     int device, const AttentionInputs& in, const HeadScales& scales) {
-  // The CPU emulation validates shapes and scales the same way.
-  Fp8AttentionErrorSums scratch(in.num_attention_heads, in.num_key_value_heads);
-  AttentionInputs empty = in;
-  empty.tokens = 0;
-  empty.q = {};
-  empty.k = {};
-  empty.v = {};
-  KVCAL_RETURN_IF_ERROR(
-      AccumulateFp8AttentionError(empty, scales, {}, &scratch));
+  // The CPU emulation's checks on shapes and scales.
+  KVCAL_RETURN_IF_ERROR(ValidateFp8Attention(in, scales));
   const uint32_t heads = in.num_attention_heads, kv = in.num_key_value_heads,
                  dim = in.head_dim, tokens = in.tokens;
   if (in.q.size() != size_t{tokens} * heads * dim ||

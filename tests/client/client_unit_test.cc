@@ -121,7 +121,8 @@ TEST(SplitChunkTest, WholeSequencesAreNeverCutByTokens) {
       .layout = Layout::kHeadsTokensDim,
       .shape = {2, 3, 4, 8},
       .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4)};
+          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4),
+      .pieces = {}};
   // Below one head of one sequence: one (entry, head) per part, whole.
   auto parts = SplitChunk(c, 3 * 8 * 4, /*whole_sequences=*/true);
   ASSERT_EQ(parts.size(), 2u * 3);
@@ -136,7 +137,8 @@ TEST(SplitChunkTest, WholeSequencesAreNeverCutByTokens) {
   ChunkView t{
       .shape = {12, 2, 8},
       .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), 12 * 2 * 8 * 4)};
+          reinterpret_cast<const std::byte*>(data.data()), 12 * 2 * 8 * 4),
+      .pieces = {}};
   parts = SplitChunk(t, 64, /*whole_sequences=*/true);
   ASSERT_EQ(parts.size(), 1u);
   EXPECT_EQ(parts[0].shape, t.shape);
