@@ -301,22 +301,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
     return 1;
   }
+  // Both sinks listen on loopback and take messages as large as the worker.
+  auto start_sink = [](int* port, auto&& register_service) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             port);
+    builder.SetMaxReceiveMessageSize(64 << 20);
+    register_service(builder);
+    return builder.BuildAndStart();
+  };
   SinkService sink_service;
   int sink_port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                           &sink_port);
-  builder.SetMaxReceiveMessageSize(64 << 20);
-  builder.RegisterService(&sink_service);
-  auto sink = builder.BuildAndStart();
+  auto sink = start_sink(&sink_port, [&](grpc::ServerBuilder& b) {
+    b.RegisterService(&sink_service);
+  });
   RawSinkService raw_sink_service;
   int raw_sink_port = 0;
-  grpc::ServerBuilder raw_builder;
-  raw_builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                               &raw_sink_port);
-  raw_builder.SetMaxReceiveMessageSize(64 << 20);
-  raw_builder.RegisterCallbackGenericService(&raw_sink_service);
-  auto raw_sink = raw_builder.BuildAndStart();
+  auto raw_sink = start_sink(&raw_sink_port, [&](grpc::ServerBuilder& b) {
+    b.RegisterCallbackGenericService(&raw_sink_service);
+  });
 
   std::vector<std::string> payloads;
   for (int i = 0; i < 4; ++i) {
