@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <regex>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "client/tensor_names.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
@@ -30,7 +30,6 @@ absl::StatusOr<ActivationDump> ActivationDump::Open(const std::string& dir,
     return absl::NotFoundError(
         absl::StrCat("dump directory ", dir, " has no *.safetensors files"));
   }
-  static const std::regex kName(R"(model\.layers\.(\d+)\.self_attn\.([qkv]))");
   ActivationDump dump;
   for (size_t i = 0; i < names.size(); ++i) {
     const std::string path = (fs::path(dir) / names[i]).string();
@@ -53,22 +52,17 @@ absl::StatusOr<ActivationDump> ActivationDump::Open(const std::string& dir,
       }
     }
     for (const TensorInfo& t : file.tensors()) {
-      std::smatch m;
-      if (!std::regex_match(t.name, m, kName)) {
+      const absl::StatusOr<LayerRole> name = ParseActivationTensorName(t.name);
+      if (!name.ok()) {
         return absl::InvalidArgumentError(
-            absl::StrCat(path, ": tensor '", t.name,
-                         "' is not named model.layers.{L}.self_attn.{q,k,v}"));
+            absl::StrCat(path, ": ", name.status().message()));
       }
       DumpTensor d;
       d.file = names[i];
       d.name = t.name;
       d.batch = batch;
-      if (!absl::SimpleAtoi(m[1].str(), &d.layer)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            path, ": tensor '", t.name, "': layer number out of range"));
-      }
-      const char letter = m[2].str()[0];
-      d.role = letter == 'q' ? Role::kQ : letter == 'k' ? Role::kK : Role::kV;
+      d.layer = name->layer;
+      d.role = name->role;
       if (t.dtype == "F32") {
         d.dtype = DType::kF32;
       } else if (t.dtype == "F16") {

@@ -15,6 +15,7 @@
 #include "client/checkpoint_patcher.h"
 #include "client/model_config.h"
 #include "client/safetensors.h"
+#include "client/tensor_names.h"
 #include "client/vllm_rules.h"
 #include "kernels/element_math.h"
 #include "util/status_macros.h"
@@ -24,41 +25,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
-
-constexpr const char* kRoleNames[] = {"q", "k", "v"};
-
-// (layer, role index, convention) when `name` is a KV-cache scale vLLM reads.
-struct ScaleName {
-  uint32_t layer;
-  int role;
-  std::string convention;
-};
-
-std::optional<ScaleName> ParseScaleName(const std::string& name) {
-  static const std::regex kCompressed(
-      R"(.*\.layers\.(\d+)\.self_attn\.(?:attn\.)?([qkv])_scale)");
-  static const std::regex kModelOpt(
-      R"(.*\.layers\.(\d+)\.self_attn\.([kv])_proj\.[kv]_scale)");
-  static const std::regex kQuark(
-      R"(.*\.layers\.(\d+)\.self_attn\.([qkv])_proj\.output_scale)");
-  std::smatch m;
-  auto make = [&](const char* convention) -> std::optional<ScaleName> {
-    // A layer number beyond uint32 names no layer (and std::stoul would
-    // throw on it).
-    uint32_t layer = 0;
-    if (!absl::SimpleAtoi(m[1].str(), &layer)) return std::nullopt;
-    const char letter = m[2].str()[0];
-    return ScaleName{layer,
-                     letter == 'q'   ? 0
-                     : letter == 'k' ? 1
-                                     : 2,
-                     convention};
-  };
-  if (std::regex_match(name, m, kCompressed)) return make("compressed-tensors");
-  if (std::regex_match(name, m, kModelOpt)) return make("modelopt");
-  if (std::regex_match(name, m, kQuark)) return make("quark");
-  return std::nullopt;
-}
 
 }  // namespace
 
@@ -156,11 +122,11 @@ absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name,
             {t.name, t.shape,
              file->ReadFloats(t).value_or(std::vector<float>{})});
       }
-      std::optional<ScaleName> parsed = ParseScaleName(t.name);
+      std::optional<CheckpointScale> parsed = ParseCheckpointScaleName(t.name);
       if (!parsed) continue;
       InspectedLayer& layer = layers[parsed->layer];
       layer.layer = parsed->layer;
-      InspectedScale& scale = layer.roles[parsed->role];
+      InspectedScale& scale = layer.roles[RoleIndex(parsed->role)];
       scale.tensor = t.name;
       scale.file = f;
       scale.shape = t.shape;
@@ -206,15 +172,16 @@ Json InspectReport::ToJson() const {
   Json rows = Json::array();
   for (const InspectedLayer& layer : layers) {
     Json row = {{"layer", layer.layer}};
-    for (int r = 0; r < 3; ++r) {
-      const InspectedScale& s = layer.roles[r];
+    for (Role role : kAllRoles) {
+      const InspectedScale& s = layer.roles[RoleIndex(role)];
+      const std::string key(1, RoleLetter(role));
       if (s.tensor.empty()) {
-        row[kRoleNames[r]] = nullptr;
+        row[key] = nullptr;
       } else {
-        row[kRoleNames[r]] = {{"tensor", s.tensor},
-                              {"file", s.file},
-                              {"shape", s.shape},
-                              {"values", s.values}};
+        row[key] = {{"tensor", s.tensor},
+                    {"file", s.file},
+                    {"shape", s.shape},
+                    {"values", s.values}};
       }
     }
     rows.push_back(std::move(row));

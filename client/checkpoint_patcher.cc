@@ -111,41 +111,6 @@ absl::StatusOr<Json> ReadJsonFile(const fs::path& path) {
   return json;
 }
 
-// The names a target gives (layer, role); empty when the target has none.
-std::string TargetTensorName(PatchTarget target, const std::string& prefix,
-                             uint32_t layer, Role role) {
-  const char letter = "qkv"[RoleIndex(role)];
-  const std::string base =
-      absl::StrCat(prefix, ".layers.", layer, ".self_attn.");
-  switch (target) {
-    case PatchTarget::kCompressedTensors:
-      return absl::StrCat(base, std::string(1, letter), "_scale");
-    case PatchTarget::kModelOpt:
-      // ModelOpt's own names for k and v; q has none of its own, and vLLM's
-      // common mapper loads `self_attn.q_scale` into the attention layer.
-      if (role == Role::kQ) return absl::StrCat(base, "q_scale");
-      return absl::StrCat(base, std::string(1, letter), "_proj.",
-                          std::string(1, letter), "_scale");
-    case PatchTarget::kQuark:
-      // LlamaForCausalLM's outer AutoWeightsLoader applies Quark's suffix
-      // mapper (`.k_proj.output_scale` -> `.attn.k_scale`) before the inner
-      // model's stacked q/k/v_proj -> qkv_proj renaming, so these load.
-      return absl::StrCat(base, std::string(1, letter), "_proj.output_scale");
-  }
-  return "";
-}
-
-// The prefix the checkpoint uses before ".layers.{L}.self_attn." ("model" for
-// Llama; "model.language_model" for some multimodal models).
-std::string DetectPrefix(const std::vector<std::string>& names) {
-  static const std::regex kAttention(R"((.*)\.layers\.\d+\.self_attn\..*)");
-  for (const std::string& name : names) {
-    std::smatch m;
-    if (std::regex_match(name, m, kAttention)) return m[1].str();
-  }
-  return "model";
-}
-
 // The kv_cache_scheme compressed-tensors (and ModelOpt's flat config.json
 // form) declare an FP8 KV cache with.
 Json KvCacheScheme(const CalibratedScales& scales) {
@@ -579,26 +544,6 @@ absl::Status CheckShardFileName(absl::string_view name) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<PatchTarget> ParsePatchTarget(absl::string_view name) {
-  if (name == "compressed-tensors") return PatchTarget::kCompressedTensors;
-  if (name == "modelopt") return PatchTarget::kModelOpt;
-  if (name == "quark") return PatchTarget::kQuark;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown target '", name, "' (compressed-tensors, modelopt or quark)"));
-}
-
-absl::string_view PatchTargetName(PatchTarget target) {
-  switch (target) {
-    case PatchTarget::kCompressedTensors:
-      return "compressed-tensors";
-    case PatchTarget::kModelOpt:
-      return "modelopt";
-    case PatchTarget::kQuark:
-      return "quark";
-  }
-  return "unknown";
-}
-
 absl::StatusOr<std::string> RecoverInterruptedPatch(
     const std::string& checkpoint_dir) {
   const fs::path dir(checkpoint_dir);
@@ -709,7 +654,7 @@ absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
       }
     }
   }
-  const std::string prefix = DetectPrefix(all_names);
+  const std::string prefix = AttentionPrefix(all_names);
 
   // The new scale tensors under the target's names.
   std::vector<NewTensor> new_tensors;
@@ -718,7 +663,7 @@ absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
     for (Role role : kAllRoles) {
       const std::vector<float>& values = roles[RoleIndex(role)];
       const std::string name =
-          TargetTensorName(options.target, prefix, layer, role);
+          CheckpointScaleName(options.target, prefix, layer, role);
       if (values.empty() || name.empty()) continue;
       NewTensor t;
       t.name = name;

@@ -38,13 +38,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "client/tensor_names.h"
 
 namespace kvcal {
-
-enum class PatchTarget { kCompressedTensors, kModelOpt, kQuark };
-
-absl::StatusOr<PatchTarget> ParsePatchTarget(absl::string_view name);
-absl::string_view PatchTargetName(PatchTarget target);
 
 inline constexpr char kScalesShardName[] = "kvcal-kv-scales.safetensors";
 inline constexpr char kPatchStagingDir[] = ".kvcal-patch";

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/safetensors.h"
+#include "client/tensor_names.h"
 #include "nlohmann/json.hpp"
 #include "util/status_macros.h"
 
@@ -178,11 +179,7 @@ absl::Status WriteDemoDumps(const std::string& dir, const DemoModelOptions& m,
                 ? std::vector<uint64_t>{1, heads, o.tokens, m.head_dim}
                 : std::vector<uint64_t>{o.tokens, heads, m.head_dim};
         tensors.push_back(
-            {absl::StrCat("model.layers.", l, ".self_attn.",
-                          r == 0   ? "q"
-                          : r == 1 ? "k"
-                                   : "v"),
-             "F32", shape,
+            {ActivationTensorName(l, kAllRoles[r]), "F32", shape,
              absl::Span<const std::byte>(
                  reinterpret_cast<const std::byte*>(storage.back().data()),
                  storage.back().size() * 4)});

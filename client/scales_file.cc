@@ -2,28 +2,18 @@
 
 #include <cmath>
 #include <cstring>
-#include <regex>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/safetensors.h"
+#include "client/tensor_names.h"
 #include "proto/names.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
-namespace {
-
-constexpr char kRoleLetters[] = {'q', 'k', 'v'};
-
-}  // namespace
+namespace {}  // namespace
 
 std::string GranularityName(Granularity granularity) {
   return CanonicalName(static_cast<v1::Granularity>(granularity));
-}
-
-std::string ScaleTensorName(uint32_t layer, Role role) {
-  return absl::StrCat("model.layers.", layer, ".self_attn.",
-                      std::string(1, kRoleLetters[RoleIndex(role)]), "_scale");
 }
 
 absl::Status WriteScalesFile(const std::string& path,
@@ -73,14 +63,11 @@ absl::StatusOr<CalibratedScales> ReadScalesFile(const std::string& path) {
   if (auto it = scales.metadata.find("observer"); it != scales.metadata.end()) {
     scales.observer = it->second;
   }
-  static const std::regex kName(
-      R"(model\.layers\.(\d+)\.self_attn\.([qkv])_scale)");
   for (const TensorInfo& t : file.tensors()) {
-    std::smatch m;
-    if (!std::regex_match(t.name, m, kName)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": tensor '", t.name,
-          "' is not named model.layers.{L}.self_attn.{q,k,v}_scale"));
+    const absl::StatusOr<LayerRole> name = ParseScaleTensorName(t.name);
+    if (!name.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": ", name.status().message()));
     }
     if (t.dtype != "F32") {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -97,13 +84,8 @@ absl::StatusOr<CalibratedScales> ReadScalesFile(const std::string& path) {
                        "granularity ",
                        granularity->second, " ([1] or [heads,1,1])"));
     }
-    uint32_t layer = 0;
-    if (!absl::SimpleAtoi(m[1].str(), &layer)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": tensor '", t.name, "': layer number out of range"));
-    }
-    const int role = m[2].str()[0] == 'q' ? 0 : m[2].str()[0] == 'k' ? 1 : 2;
-    std::vector<float>& values = scales.layers[layer][role];
+    std::vector<float>& values =
+        scales.layers[name->layer][RoleIndex(name->role)];
     values.resize(t.elements());
     std::memcpy(values.data(), file.Data(t).data(), t.size());
     for (float v : values) {

@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/tensor_names.h"
 #include "kernels/scale_math.h"
 #include "kernels/types.h"
 
@@ -35,9 +36,6 @@ struct CalibratedScales {
   // Everything else recorded in __metadata__ (session, options, counts...).
   std::map<std::string, std::string> metadata;
 };
-
-// "model.layers.3.self_attn.k_scale" for (3, K).
-std::string ScaleTensorName(uint32_t layer, Role role);
 
 [[nodiscard]] absl::Status WriteScalesFile(const std::string& path,
                                            const CalibratedScales& scales);

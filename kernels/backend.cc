@@ -56,4 +56,12 @@ absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateBackend(
   return CreateCpuBackend(geometry, options);
 }
 
+absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view text) {
+  if (text == "auto") return BackendKind::kAuto;
+  if (text == "cpu") return BackendKind::kCpu;
+  if (text == "cuda") return BackendKind::kCuda;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown backend '", text, "': use auto, cpu or cuda"));
+}
+
 }  // namespace kvcal

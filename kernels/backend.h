@@ -61,10 +61,6 @@ struct BackendOptions {
   int cpu_threads = 0;
 };
 
-// Bytes of statistics state a session of `geometry` needs, excluding the
-// per-batch extrema that grow with the number of batches.
-size_t EstimateStateBytes(const Geometry& geometry);
-
 absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateCpuBackend(
     const Geometry& geometry, const BackendOptions& options = {});
 

@@ -346,4 +346,12 @@ absl::StatusOr<SessionStatistics> SessionStatistics::Deserialize(
   return stats;
 }
 
+size_t EstimateStateBytes(const Geometry& geometry) {
+  const size_t per_head =
+      sizeof(HeadStatistics) +
+      static_cast<size_t>(geometry.histogram_bins()) * sizeof(uint64_t) +
+      (geometry.has_histograms() ? kTailCapacity * sizeof(float) : 0);
+  return per_head * geometry.total_heads();
+}
+
 }  // namespace kvcal

@@ -31,6 +31,7 @@
 #ifndef KVCAL_KERNELS_STATISTICS_H_
 #define KVCAL_KERNELS_STATISTICS_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -131,6 +132,11 @@ class SessionStatistics {
   std::array<size_t, 3> role_offset_ = {0, 0, 0};
   std::vector<HeadStatistics> heads_;
 };
+
+// Bytes of statistics state a session of `geometry` needs, excluding the
+// per-batch extrema that grow with the number of batches (what the worker's
+// memory budget counts per session, on every backend).
+size_t EstimateStateBytes(const Geometry& geometry);
 
 }  // namespace kvcal
 

@@ -342,27 +342,11 @@ class CpuBackend final : public StatisticsBackend {
 
 }  // namespace
 
-size_t EstimateStateBytes(const Geometry& geometry) {
-  const size_t per_head =
-      sizeof(HeadStatistics) +
-      static_cast<size_t>(geometry.histogram_bins()) * sizeof(uint64_t) +
-      (geometry.has_histograms() ? kTailCapacity * sizeof(float) : 0);
-  return per_head * geometry.total_heads();
-}
-
 absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateCpuBackend(
     const Geometry& geometry, const BackendOptions& options) {
   KVCAL_RETURN_IF_ERROR(geometry.Validate());
   return std::unique_ptr<StatisticsBackend>(
       std::make_unique<CpuBackend>(geometry, options));
-}
-
-absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view text) {
-  if (text == "auto") return BackendKind::kAuto;
-  if (text == "cpu") return BackendKind::kCpu;
-  if (text == "cuda") return BackendKind::kCuda;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown backend '", text, "': use auto, cpu or cuda"));
 }
 
 }  // namespace kvcal
