@@ -28,8 +28,9 @@ using Json = nlohmann::ordered_json;
 
 }  // namespace
 
-absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name,
-                                                const VllmLoadOptions& vllm) {
+absl::StatusOr<InspectReport> InspectCheckpoint(
+    const std::string& dir_name, const VllmLoadOptions& vllm,
+    const std::function<void(uint64_t, uint64_t, uint64_t)>& on_shard) {
   const fs::path dir(dir_name);
   InspectReport report;
   report.checkpoint_dir = dir_name;
@@ -103,12 +104,18 @@ absl::StatusOr<InspectReport> InspectCheckpoint(const std::string& dir_name,
 
   std::map<uint32_t, InspectedLayer> layers;
   std::vector<VllmScaleTensor> scale_tensors;
+  uint64_t files_done = 0;
+  uint64_t bytes_done = 0;
   for (const std::string& f : files) {
     auto file = SafetensorsFile::Open((dir / f).string());
+    ++files_done;
     if (!file.ok()) {
       report.errors.push_back(std::string(file.status().message()));
+      if (on_shard) on_shard(files_done, files.size(), bytes_done);
       continue;
     }
+    bytes_done += file->file_size();
+    if (on_shard) on_shard(files_done, files.size(), bytes_done);
     for (const std::string& name : index_files[f]) {
       if (file->Find(name) == nullptr) {
         report.errors.push_back(absl::StrCat("the index puts '", name, "' in ",

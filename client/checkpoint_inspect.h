@@ -16,6 +16,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -60,8 +61,12 @@ struct InspectReport {
 
 // Fails only when the checkpoint cannot be read at all (no config.json, no
 // tensor files); problems with the scales land in report.errors.
+// `on_shard`, when set, is called after each tensor file is read with the
+// files done, their total, and the bytes of the files done.
 absl::StatusOr<InspectReport> InspectCheckpoint(
-    const std::string& dir, const VllmLoadOptions& vllm = VllmLoadOptions());
+    const std::string& dir, const VllmLoadOptions& vllm = VllmLoadOptions(),
+    const std::function<void(uint64_t files_done, uint64_t files_total,
+                             uint64_t bytes_done)>& on_shard = {});
 
 }  // namespace kvcal
 

@@ -427,9 +427,30 @@ struct FilePlan {
   bool add_scales = false;
 };
 
+// Reports the bytes the long steps have staged and verified.
+class PatchProgress {
+ public:
+  PatchProgress(const std::function<void(uint64_t, uint64_t)>& callback,
+                uint64_t bytes_to_write, uint64_t bytes_to_verify)
+      : callback_(callback), total_(bytes_to_write + bytes_to_verify) {}
+  void Add(uint64_t bytes) {
+    done_ = std::min(total_, done_ + bytes);
+    if (callback_) callback_(done_, total_);
+  }
+
+ private:
+  const std::function<void(uint64_t, uint64_t)>& callback_;
+  uint64_t total_;
+  uint64_t done_ = 0;
+};
+
+bool IsSafetensorsName(const std::string& name) {
+  return name.size() > 12 && name.ends_with(".safetensors");
+}
+
 absl::Status WriteStagedFile(const FilePlan& plan,
                              const std::vector<NewTensor>& scales,
-                             const fs::path& staged) {
+                             const fs::path& staged, PatchProgress& progress) {
   std::optional<SafetensorsFile> source;
   std::vector<TensorToWrite> tensors;
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
@@ -450,13 +471,15 @@ absl::Status WriteStagedFile(const FilePlan& plan,
                s.values.size() * sizeof(float))});
     }
   }
-  return WriteSafetensors(staged.string(), tensors, metadata);
+  return WriteSafetensors(staged.string(), tensors, metadata, size_t{8} << 20,
+                          [&](uint64_t bytes) { progress.Add(bytes); });
 }
 
 // Byte-for-byte check of a staged file against its source and the scales.
 absl::Status VerifyStagedFile(const FilePlan& plan,
                               const std::vector<NewTensor>& scales,
-                              const fs::path& staged, PatchReport& report) {
+                              const fs::path& staged, PatchProgress& progress,
+                              PatchReport& report) {
   KVCAL_ASSIGN_OR_RETURN(SafetensorsFile out, SafetensorsFile::Open(staged));
   size_t expected = plan.add_scales ? scales.size() : 0;
   if (!plan.source.empty()) {
@@ -475,6 +498,7 @@ absl::Status VerifyStagedFile(const FilePlan& plan,
       }
       ++report.tensors_verified;
       report.bytes_verified += t.size();
+      progress.Add(t.size());
     }
   }
   if (plan.add_scales) {
@@ -496,7 +520,7 @@ absl::Status VerifyStagedFile(const FilePlan& plan,
 }
 
 absl::Status VerifyFileCopy(const fs::path& source, const fs::path& copy,
-                            PatchReport& report) {
+                            PatchProgress& progress, PatchReport& report) {
   KVCAL_ASSIGN_OR_RETURN(SafetensorsFile in, SafetensorsFile::Open(source));
   KVCAL_ASSIGN_OR_RETURN(SafetensorsFile out, SafetensorsFile::Open(copy));
   for (const TensorInfo& t : in.tensors()) {
@@ -508,12 +532,14 @@ absl::Status VerifyFileCopy(const fs::path& source, const fs::path& copy,
     }
     ++report.tensors_verified;
     report.bytes_verified += t.size();
+    progress.Add(t.size());
   }
   return absl::OkStatus();
 }
 
 // Copies a file or a directory tree; regular files are fsynced.
-absl::Status CopySynced(const fs::path& from, const fs::path& to) {
+absl::Status CopySynced(const fs::path& from, const fs::path& to,
+                        PatchProgress& progress) {
   std::error_code ec;
   if (!fs::is_regular_file(from, ec)) {
     fs::copy(from, to, fs::copy_options::recursive, ec);
@@ -529,7 +555,405 @@ absl::Status CopySynced(const fs::path& from, const fs::path& to) {
     return absl::InternalError(
         absl::StrCat("cannot fsync ", to.string(), ": ", std::strerror(errno)));
   }
+  const uintmax_t size = fs::file_size(to, ec);
+  progress.Add(ec ? 0 : size);
   return absl::OkStatus();
+}
+
+// Step 1, discover: what the checkpoint holds, file by file. Reads config.json,
+// the index (if any) and every shard's header; writes nothing.
+struct Checkpoint {
+  fs::path dir;
+  Json config;
+  ModelGeometry geometry;
+  bool sharded = false;
+  Json index;                            // when sharded
+  std::vector<std::string> shard_names;  // in first-appearance order
+  std::map<std::string, std::set<std::string>> names_in_file;
+  std::vector<VllmScaleTensor> existing_scales;
+  // Before ".layers.{L}.self_attn." ("model" for Llama).
+  std::string prefix;
+};
+
+// The index's shard list, checked: every entry a plain file name.
+absl::Status ReadIndex(
+    const fs::path& index_path, Checkpoint& c,
+    std::map<std::string, std::vector<std::string>>& listed) {
+  KVCAL_ASSIGN_OR_RETURN(c.index, ReadJsonFile(index_path));
+  if (!c.index.contains("weight_map") || !c.index["weight_map"].is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(index_path.string(), ": no weight_map object"));
+  }
+  for (const auto& [name, file] : c.index["weight_map"].items()) {
+    if (!file.is_string()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(index_path.string(), ": weight_map entry '", name,
+                       "' is not a file name"));
+    }
+    const std::string f = file.get<std::string>();
+    if (absl::Status s = CheckShardFileName(f); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(index_path.string(),
+                                                     ": weight_map entry '",
+                                                     name, "': ", s.message()));
+    }
+    if (!listed.count(f)) c.shard_names.push_back(f);
+    listed[f].push_back(name);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Checkpoint> Discover(const fs::path& dir) {
+  Checkpoint c;
+  c.dir = dir;
+  const fs::path config_path = dir / kConfigName;
+  KVCAL_ASSIGN_OR_RETURN(c.config, ReadJsonFile(config_path));
+  absl::StatusOr<ModelGeometry> geometry = ModelGeometryFromConfig(c.config);
+  if (!geometry.ok()) {
+    return absl::Status(
+        geometry.status().code(),
+        absl::StrCat(config_path.string(), ": ", geometry.status().message()));
+  }
+  c.geometry = *std::move(geometry);
+
+  std::error_code ec;
+  const fs::path index_path = dir / kIndexName;
+  c.sharded = fs::exists(index_path, ec);
+  std::map<std::string, std::vector<std::string>> listed;  // by the index
+  if (c.sharded) {
+    KVCAL_RETURN_IF_ERROR(ReadIndex(index_path, c, listed));
+  } else if (fs::exists(dir / kSingleFileName, ec)) {
+    c.shard_names.push_back(kSingleFileName);
+  } else {
+    return absl::NotFoundError(absl::StrCat(
+        dir.string(), " has neither ", kIndexName, " nor ", kSingleFileName));
+  }
+  // Open every shard once: validates each header and gives the names.
+  std::vector<std::string> all_names;
+  for (const std::string& shard : c.shard_names) {
+    KVCAL_ASSIGN_OR_RETURN(SafetensorsFile file,
+                           SafetensorsFile::Open((dir / shard).string()));
+    std::set<std::string>& names = c.names_in_file[shard];
+    for (const TensorInfo& t : file.tensors()) {
+      names.insert(t.name);
+      if (IsVllmScaleName(t.name)) {
+        c.existing_scales.push_back(
+            {t.name, t.shape,
+             file.ReadFloats(t).value_or(std::vector<float>{})});
+      }
+      all_names.push_back(t.name);
+    }
+    for (const std::string& name : listed[shard]) {
+      if (!names.count(name)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path.string(), ": weight_map puts '", name,
+                         "' in ", shard, ", which does not hold it"));
+      }
+    }
+  }
+  c.prefix = AttentionPrefix(all_names);
+  return c;
+}
+
+// Step 2, plan: the new config.json, the scale tensors under the target's
+// names, what each output file holds, and what --out copies. Checks that
+// vLLM 0.34 will use every scale as written; writes nothing.
+struct PatchPlan {
+  Json config;  // updated
+  std::vector<NewTensor> new_tensors;
+  std::set<std::string> new_names;
+  std::vector<FilePlan> files;
+  // With --out: the other entries of the checkpoint, copied as they are.
+  std::vector<std::string> copies;
+  uint64_t bytes_to_write = 0;
+  uint64_t bytes_to_verify = 0;
+};
+
+std::vector<NewTensor> ScaleTensors(const CalibratedScales& scales,
+                                    PatchTarget target,
+                                    const std::string& prefix) {
+  std::vector<NewTensor> tensors;
+  for (const auto& [layer, roles] : scales.layers) {
+    for (Role role : kAllRoles) {
+      const std::vector<float>& values = roles[RoleIndex(role)];
+      const std::string name = CheckpointScaleName(target, prefix, layer, role);
+      if (values.empty() || name.empty()) continue;
+      NewTensor t;
+      t.name = name;
+      t.values = values;
+      if (scales.granularity == Granularity::kPerHead) {
+        t.shape = {values.size(), 1, 1};
+      } else if (target == PatchTarget::kCompressedTensors) {
+        t.shape = {1};
+      }  // ModelOpt and Quark store scalars.
+      tensors.push_back(std::move(t));
+    }
+  }
+  return tensors;
+}
+
+// The files to write: a sharded checkpoint gets the scales shard (carrying
+// over an earlier one's other tensors) and rewrites only the shards that
+// hold tensors of the new names; a single file is rewritten whole.
+std::vector<FilePlan> PlanFiles(const Checkpoint& c,
+                                const std::set<std::string>& new_names,
+                                PatchReport& report) {
+  std::vector<FilePlan> plans;
+  if (!c.sharded) {
+    FilePlan single{
+        kSingleFileName, (c.dir / kSingleFileName).string(), {}, true};
+    for (const std::string& name : c.names_in_file.at(kSingleFileName)) {
+      if (new_names.count(name)) single.drop.insert(name);
+    }
+    report.replaced_tensors = single.drop.size();
+    plans.push_back(std::move(single));
+    return plans;
+  }
+  FilePlan scales_shard{kScalesShardName, "", {}, true};
+  for (const std::string& shard : c.shard_names) {
+    std::set<std::string> drop;
+    for (const std::string& name : c.names_in_file.at(shard)) {
+      if (new_names.count(name)) drop.insert(name);
+    }
+    report.replaced_tensors += drop.size();
+    if (shard == kScalesShardName) {
+      scales_shard.source = (c.dir / shard).string();
+      scales_shard.drop = std::move(drop);
+    } else if (!drop.empty()) {
+      plans.push_back(
+          {shard, (c.dir / shard).string(), std::move(drop), false});
+    }
+  }
+  plans.push_back(std::move(scales_shard));
+  return plans;
+}
+
+// Bytes of the source tensors `plan` keeps.
+absl::StatusOr<uint64_t> KeptBytes(const FilePlan& plan) {
+  if (plan.source.empty()) return 0;
+  KVCAL_ASSIGN_OR_RETURN(SafetensorsFile source,
+                         SafetensorsFile::Open(plan.source));
+  uint64_t bytes = 0;
+  for (const TensorInfo& t : source.tensors()) {
+    if (!plan.drop.count(t.name)) bytes += t.size();
+  }
+  return bytes;
+}
+
+absl::StatusOr<PatchPlan> Plan(const Checkpoint& c,
+                               const CalibratedScales& scales,
+                               const PatchOptions& options,
+                               PatchReport& report) {
+  PatchPlan plan;
+  KVCAL_RETURN_IF_ERROR(CheckScalesForVllm(scales, c.geometry, options.target));
+  plan.config = c.config;
+  KVCAL_RETURN_IF_ERROR(
+      UpdateConfig(plan.config, options.target, scales, c.dir));
+  plan.new_tensors = ScaleTensors(scales, options.target, c.prefix);
+  for (const NewTensor& t : plan.new_tensors) plan.new_names.insert(t.name);
+  report.scale_tensors = plan.new_tensors.size();
+  KVCAL_RETURN_IF_ERROR(
+      CheckVllmUsesTheScales(plan.config, c.geometry, scales, options.target,
+                             c.existing_scales, plan.new_tensors, report));
+  plan.files = PlanFiles(c, plan.new_names, report);
+
+  uint64_t scale_bytes = 0;
+  for (const NewTensor& t : plan.new_tensors) {
+    scale_bytes += t.values.size() * sizeof(float);
+  }
+  std::set<std::string> written;
+  for (const FilePlan& f : plan.files) {
+    KVCAL_ASSIGN_OR_RETURN(uint64_t kept, KeptBytes(f));
+    plan.bytes_to_write += kept + (f.add_scales ? scale_bytes : 0);
+    plan.bytes_to_verify += kept;
+    written.insert(f.name);
+  }
+  if (!options.out_dir.empty()) {
+    std::error_code ec;
+    for (const fs::directory_entry& entry : fs::directory_iterator(c.dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name == kPatchStagingDir || written.count(name) ||
+          name == kIndexName || name == kConfigName ||
+          (c.sharded && name == kScalesShardName)) {
+        continue;
+      }
+      plan.copies.push_back(name);
+      if (entry.is_regular_file(ec)) {
+        const uint64_t size = entry.file_size(ec);
+        plan.bytes_to_write += ec ? 0 : size;
+        if (IsSafetensorsName(name)) plan.bytes_to_verify += ec ? 0 : size;
+      }
+    }
+    if (ec) return FsError(absl::StrCat("cannot list ", c.dir.string()), ec);
+  }
+  return plan;
+}
+
+// The index after the patch: replaced names leave their shards, the new
+// names point at the scales shard, total_size follows the staged files.
+absl::StatusOr<Json> UpdatedIndex(const Checkpoint& c, const PatchPlan& plan,
+                                  const fs::path& staging) {
+  Json index = c.index;
+  Json& weight_map = index["weight_map"];
+  Json updated = Json::object();
+  for (const auto& [name, file] : weight_map.items()) {
+    if (!plan.new_names.count(name) &&
+        file.get<std::string>() != kScalesShardName) {
+      updated[name] = file;
+    }
+  }
+  for (const NewTensor& t : plan.new_tensors) {
+    updated[t.name] = kScalesShardName;
+  }
+  // Carried-over tensors of an earlier kvcal scales shard stay listed.
+  if (auto it = c.names_in_file.find(kScalesShardName);
+      it != c.names_in_file.end()) {
+    for (const std::string& name : it->second) {
+      if (!plan.new_names.count(name)) updated[name] = kScalesShardName;
+    }
+  }
+  weight_map = std::move(updated);
+  std::set<std::string> files;
+  for (const auto& [name, file] : weight_map.items()) {
+    files.insert(file.get<std::string>());
+  }
+  std::set<std::string> rewritten;
+  for (const FilePlan& f : plan.files) rewritten.insert(f.name);
+  uint64_t total = 0;
+  for (const std::string& f : files) {
+    const fs::path p = rewritten.count(f) ? staging / f : c.dir / f;
+    KVCAL_ASSIGN_OR_RETURN(SafetensorsFile file,
+                           SafetensorsFile::Open(p.string()));
+    for (const TensorInfo& t : file.tensors()) total += t.size();
+  }
+  if (!index.contains("metadata") || !index["metadata"].is_object()) {
+    index["metadata"] = Json::object();
+  }
+  index["metadata"]["total_size"] = total;
+  return index;
+}
+
+// Step 3, stage: every output file written and fsynced into the staging
+// directory (CHECKPOINT/.kvcal-patch, or OUT.kvcal-partial with --out).
+struct Staged {
+  bool in_place = true;
+  fs::path out_dir;
+  fs::path staging;
+};
+
+absl::StatusOr<Staged> Stage(const Checkpoint& c, const PatchPlan& plan,
+                             const PatchOptions& options, Steps& crash,
+                             PatchProgress& progress, PatchReport& report) {
+  Staged staged;
+  staged.in_place = options.out_dir.empty();
+  staged.out_dir = staged.in_place ? c.dir : fs::path(options.out_dir);
+  staged.staging = staged.in_place
+                       ? c.dir / kPatchStagingDir
+                       : fs::path(options.out_dir + ".kvcal-partial");
+  report.output_dir = staged.out_dir.string();
+  std::error_code ec;
+  if (!staged.in_place) {
+    if (fs::exists(staged.out_dir, ec) && !fs::is_empty(staged.out_dir, ec)) {
+      return absl::AlreadyExistsError(absl::StrCat("output directory ",
+                                                   staged.out_dir.string(),
+                                                   " exists and is not empty"));
+    }
+    fs::remove_all(staged.staging, ec);
+  }
+  fs::create_directories(staged.staging, ec);
+  if (ec) {
+    return FsError(absl::StrCat("cannot create ", staged.staging.string()), ec);
+  }
+  crash.Step();
+
+  for (const FilePlan& f : plan.files) {
+    KVCAL_RETURN_IF_ERROR(WriteStagedFile(f, plan.new_tensors,
+                                          staged.staging / f.name, progress));
+    report.files_written.push_back(f.name);
+    crash.Step();
+  }
+  if (c.sharded) {
+    KVCAL_ASSIGN_OR_RETURN(Json index, UpdatedIndex(c, plan, staged.staging));
+    KVCAL_RETURN_IF_ERROR(WriteFileSynced(
+        (staged.staging / kIndexName).string(), index.dump(2) + "\n"));
+    report.files_written.push_back(kIndexName);
+    crash.Step();
+  }
+  KVCAL_RETURN_IF_ERROR(WriteFileSynced((staged.staging / kConfigName).string(),
+                                        plan.config.dump(2) + "\n"));
+  report.files_written.push_back(kConfigName);
+  crash.Step();
+
+  // With --out, everything else is copied beside the new files.
+  if (!staged.in_place) {
+    for (const std::string& name : plan.copies) {
+      KVCAL_RETURN_IF_ERROR(
+          CopySynced(c.dir / name, staged.staging / name, progress));
+    }
+    crash.Step();
+  }
+  return staged;
+}
+
+// Step 4, verify: every kept tensor of every rewritten or copied file equals
+// its source byte for byte, and the scales are what was planned.
+absl::Status Verify(const Checkpoint& c, const PatchPlan& plan,
+                    const Staged& staged, PatchProgress& progress,
+                    PatchReport& report) {
+  for (const FilePlan& f : plan.files) {
+    KVCAL_RETURN_IF_ERROR(VerifyStagedFile(
+        f, plan.new_tensors, staged.staging / f.name, progress, report));
+  }
+  for (const std::string& name : plan.copies) {
+    if (IsSafetensorsName(name)) {
+      KVCAL_RETURN_IF_ERROR(VerifyFileCopy(c.dir / name, staged.staging / name,
+                                           progress, report));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Step 5, commit. In place: the journal is the commit point, then the
+// renames (new shard first, config.json last: every state in between
+// loads); with --out: one rename of the staging directory.
+absl::Status Commit(const Checkpoint& c, const PatchPlan& plan,
+                    const Staged& staged, Steps& crash) {
+  if (!staged.in_place) {
+    std::error_code ec;
+    KVCAL_RETURN_IF_ERROR(SyncDirectory(staged.staging.string()));
+    if (fs::exists(staged.out_dir, ec)) {
+      fs::remove(staged.out_dir, ec);  // empty, checked
+    }
+    KVCAL_RETURN_IF_ERROR(Rename(staged.staging, staged.out_dir));
+    const fs::path parent = staged.out_dir.parent_path();
+    return SyncDirectory(parent.empty() ? std::string(".") : parent.string());
+  }
+  PatchJournal journal;
+  for (const FilePlan& f : plan.files) {
+    // The new shard first: nothing references it yet.
+    if (f.name == kScalesShardName) journal.renames.push_back(f.name);
+  }
+  for (const FilePlan& f : plan.files) {
+    if (f.name != kScalesShardName) journal.renames.push_back(f.name);
+  }
+  if (c.sharded) journal.renames.push_back(kIndexName);
+  journal.renames.push_back(kConfigName);
+  const fs::path& staging = staged.staging;
+  KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
+  const fs::path journal_tmp = staging / "COMMIT.tmp";
+  KVCAL_RETURN_IF_ERROR(
+      WriteFileSynced(journal_tmp.string(), journal.Serialize()));
+  KVCAL_RETURN_IF_ERROR(Rename(journal_tmp, staging / kJournalName));
+  KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
+  crash.Step();  // committed: from here on, recovery rolls forward
+  for (const std::string& name : journal.renames) {
+    KVCAL_RETURN_IF_ERROR(Rename(staging / name, c.dir / name));
+    crash.Step();
+  }
+  KVCAL_RETURN_IF_ERROR(SyncDirectory(c.dir.string()));
+  std::error_code ec;
+  fs::remove_all(staging, ec);
+  if (ec) return FsError(absl::StrCat("cannot remove ", staging.string()), ec);
+  return SyncDirectory(c.dir.string());
 }
 
 }  // namespace
@@ -583,266 +1007,19 @@ absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
   }
   KVCAL_ASSIGN_OR_RETURN(report.recovered,
                          RecoverInterruptedPatch(options.checkpoint_dir));
-
-  const fs::path config_path = dir / kConfigName;
-  KVCAL_ASSIGN_OR_RETURN(Json config, ReadJsonFile(config_path));
-  auto geometry = ModelGeometryFromConfig(config);
-  if (!geometry.ok()) {
-    return absl::Status(
-        geometry.status().code(),
-        absl::StrCat(config_path.string(), ": ", geometry.status().message()));
-  }
   KVCAL_ASSIGN_OR_RETURN(CalibratedScales scales,
                          ReadScalesFile(options.scales_path));
-  KVCAL_RETURN_IF_ERROR(CheckScalesForVllm(scales, *geometry, options.target));
-  KVCAL_RETURN_IF_ERROR(UpdateConfig(config, options.target, scales, dir));
-
-  // What the checkpoint holds, file by file.
-  const fs::path index_path = dir / kIndexName;
-  report.sharded = fs::exists(index_path, ec);
-  Json index;
-  std::vector<std::string> shard_names;  // in first-appearance order
-  std::map<std::string, std::vector<std::string>> shard_tensors;
-  if (report.sharded) {
-    KVCAL_ASSIGN_OR_RETURN(index, ReadJsonFile(index_path));
-    if (!index.contains("weight_map") || !index["weight_map"].is_object()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(index_path.string(), ": no weight_map object"));
-    }
-    for (const auto& [name, file] : index["weight_map"].items()) {
-      if (!file.is_string()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(index_path.string(), ": weight_map entry '", name,
-                         "' is not a file name"));
-      }
-      const std::string f = file.get<std::string>();
-      if (absl::Status s = CheckShardFileName(f); !s.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(index_path.string(), ": weight_map entry '", name,
-                         "': ", s.message()));
-      }
-      if (!shard_tensors.count(f)) shard_names.push_back(f);
-      shard_tensors[f].push_back(name);
-    }
-  } else if (fs::exists(dir / kSingleFileName, ec)) {
-    shard_names.push_back(kSingleFileName);
-  } else {
-    return absl::NotFoundError(absl::StrCat(
-        dir.string(), " has neither ", kIndexName, " nor ", kSingleFileName));
-  }
-  // Open every shard once: validates each header and gives the names.
-  std::vector<VllmScaleTensor> existing_scales;
-  std::vector<std::string> all_names;
-  std::map<std::string, std::set<std::string>> names_in_file;
-  for (const std::string& shard : shard_names) {
-    KVCAL_ASSIGN_OR_RETURN(SafetensorsFile file,
-                           SafetensorsFile::Open((dir / shard).string()));
-    for (const TensorInfo& t : file.tensors()) {
-      names_in_file[shard].insert(t.name);
-      if (IsVllmScaleName(t.name)) {
-        existing_scales.push_back(
-            {t.name, t.shape,
-             file.ReadFloats(t).value_or(std::vector<float>{})});
-      }
-      all_names.push_back(t.name);
-    }
-    for (const std::string& name : shard_tensors[shard]) {
-      if (!names_in_file[shard].count(name)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(index_path.string(), ": weight_map puts '", name,
-                         "' in ", shard, ", which does not hold it"));
-      }
-    }
-  }
-  const std::string prefix = AttentionPrefix(all_names);
-
-  // The new scale tensors under the target's names.
-  std::vector<NewTensor> new_tensors;
-  std::set<std::string> new_names;
-  for (const auto& [layer, roles] : scales.layers) {
-    for (Role role : kAllRoles) {
-      const std::vector<float>& values = roles[RoleIndex(role)];
-      const std::string name =
-          CheckpointScaleName(options.target, prefix, layer, role);
-      if (values.empty() || name.empty()) continue;
-      NewTensor t;
-      t.name = name;
-      t.values = values;
-      if (scales.granularity == Granularity::kPerHead) {
-        t.shape = {values.size(), 1, 1};
-      } else if (options.target == PatchTarget::kCompressedTensors) {
-        t.shape = {1};
-      }  // ModelOpt and Quark store scalars.
-      new_names.insert(t.name);
-      new_tensors.push_back(std::move(t));
-    }
-  }
-  report.scale_tensors = new_tensors.size();
-  KVCAL_RETURN_IF_ERROR(CheckVllmUsesTheScales(config, *geometry, scales,
-                                               options.target, existing_scales,
-                                               new_tensors, report));
-
-  // Plan the files.
-  std::vector<FilePlan> plans;
-  if (report.sharded) {
-    FilePlan scales_shard{kScalesShardName, "", {}, true};
-    for (const std::string& shard : shard_names) {
-      std::set<std::string> drop;
-      for (const std::string& name : names_in_file[shard]) {
-        if (new_names.count(name)) drop.insert(name);
-      }
-      report.replaced_tensors += drop.size();
-      if (shard == kScalesShardName) {
-        scales_shard.source = (dir / shard).string();
-        scales_shard.drop = std::move(drop);
-      } else if (!drop.empty()) {
-        plans.push_back(
-            {shard, (dir / shard).string(), std::move(drop), false});
-      }
-    }
-    plans.push_back(std::move(scales_shard));
-  } else {
-    FilePlan single{
-        kSingleFileName, (dir / kSingleFileName).string(), {}, true};
-    for (const std::string& name : names_in_file[kSingleFileName]) {
-      if (new_names.count(name)) single.drop.insert(name);
-    }
-    report.replaced_tensors = single.drop.size();
-    plans.push_back(std::move(single));
-  }
-
-  // Stage.
-  const bool in_place = options.out_dir.empty();
-  const fs::path out_dir = in_place ? dir : fs::path(options.out_dir);
-  const fs::path staging = in_place
-                               ? dir / kPatchStagingDir
-                               : fs::path(options.out_dir + ".kvcal-partial");
-  report.output_dir = out_dir.string();
-  if (!in_place) {
-    if (fs::exists(out_dir, ec) && !fs::is_empty(out_dir, ec)) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "output directory ", out_dir.string(), " exists and is not empty"));
-    }
-    fs::remove_all(staging, ec);
-  }
-  fs::create_directories(staging, ec);
-  if (ec) return FsError(absl::StrCat("cannot create ", staging.string()), ec);
+  KVCAL_ASSIGN_OR_RETURN(Checkpoint checkpoint, Discover(dir));
+  report.sharded = checkpoint.sharded;
+  KVCAL_ASSIGN_OR_RETURN(PatchPlan plan,
+                         Plan(checkpoint, scales, options, report));
+  PatchProgress progress(options.on_progress, plan.bytes_to_write,
+                         plan.bytes_to_verify);
+  KVCAL_ASSIGN_OR_RETURN(
+      Staged staged, Stage(checkpoint, plan, options, crash, progress, report));
+  KVCAL_RETURN_IF_ERROR(Verify(checkpoint, plan, staged, progress, report));
   crash.Step();
-
-  std::set<std::string> rewritten;
-  for (const FilePlan& plan : plans) {
-    KVCAL_RETURN_IF_ERROR(
-        WriteStagedFile(plan, new_tensors, staging / plan.name));
-    rewritten.insert(plan.name);
-    report.files_written.push_back(plan.name);
-    crash.Step();
-  }
-  if (report.sharded) {
-    // Index: replaced names leave their shards, the new names point at the
-    // scales shard; total_size follows.
-    Json& weight_map = index["weight_map"];
-    Json updated = Json::object();
-    for (const auto& [name, file] : weight_map.items()) {
-      if (!new_names.count(name) &&
-          file.get<std::string>() != kScalesShardName) {
-        updated[name] = file;
-      }
-    }
-    uint64_t total = 0;
-    for (const NewTensor& t : new_tensors) updated[t.name] = kScalesShardName;
-    // Carried-over tensors of an earlier kvcal scales shard stay listed.
-    for (const std::string& name : names_in_file[kScalesShardName]) {
-      if (!new_names.count(name)) updated[name] = kScalesShardName;
-    }
-    weight_map = std::move(updated);
-    std::set<std::string> files;
-    for (const auto& [name, file] : weight_map.items()) {
-      files.insert(file.get<std::string>());
-    }
-    for (const std::string& f : files) {
-      const fs::path p = rewritten.count(f) ? staging / f : dir / f;
-      KVCAL_ASSIGN_OR_RETURN(SafetensorsFile file,
-                             SafetensorsFile::Open(p.string()));
-      for (const TensorInfo& t : file.tensors()) total += t.size();
-    }
-    if (!index.contains("metadata") || !index["metadata"].is_object()) {
-      index["metadata"] = Json::object();
-    }
-    index["metadata"]["total_size"] = total;
-    KVCAL_RETURN_IF_ERROR(
-        WriteFileSynced((staging / kIndexName).string(), index.dump(2) + "\n"));
-    report.files_written.push_back(kIndexName);
-    crash.Step();
-  }
-  KVCAL_RETURN_IF_ERROR(
-      WriteFileSynced((staging / kConfigName).string(), config.dump(2) + "\n"));
-  report.files_written.push_back(kConfigName);
-  crash.Step();
-
-  // With --out, everything else is copied beside the new files.
-  std::vector<std::string> copied;
-  if (!in_place) {
-    for (const fs::directory_entry& entry : fs::directory_iterator(dir, ec)) {
-      const std::string name = entry.path().filename().string();
-      if (name == kPatchStagingDir || rewritten.count(name) ||
-          name == kIndexName || name == kConfigName) {
-        continue;
-      }
-      if (report.sharded && name == kScalesShardName) continue;
-      KVCAL_RETURN_IF_ERROR(CopySynced(entry.path(), staging / name));
-      copied.push_back(name);
-    }
-    crash.Step();
-  }
-
-  // Verify before committing.
-  for (const FilePlan& plan : plans) {
-    KVCAL_RETURN_IF_ERROR(
-        VerifyStagedFile(plan, new_tensors, staging / plan.name, report));
-  }
-  for (const std::string& name : copied) {
-    if (name.size() > 12 && name.ends_with(".safetensors")) {
-      KVCAL_RETURN_IF_ERROR(VerifyFileCopy(dir / name, staging / name, report));
-    }
-  }
-  crash.Step();
-
-  // Commit.
-  if (in_place) {
-    PatchJournal journal;
-    for (const FilePlan& plan : plans) {
-      // The new shard first: nothing references it yet.
-      if (plan.name == kScalesShardName) journal.renames.push_back(plan.name);
-    }
-    for (const FilePlan& plan : plans) {
-      if (plan.name != kScalesShardName) journal.renames.push_back(plan.name);
-    }
-    if (report.sharded) journal.renames.push_back(kIndexName);
-    journal.renames.push_back(kConfigName);
-    KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
-    const fs::path journal_tmp = staging / "COMMIT.tmp";
-    KVCAL_RETURN_IF_ERROR(
-        WriteFileSynced(journal_tmp.string(), journal.Serialize()));
-    KVCAL_RETURN_IF_ERROR(Rename(journal_tmp, staging / kJournalName));
-    KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
-    crash.Step();  // committed: from here on, recovery rolls forward
-    for (const std::string& name : journal.renames) {
-      KVCAL_RETURN_IF_ERROR(Rename(staging / name, dir / name));
-      crash.Step();
-    }
-    KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));
-    fs::remove_all(staging, ec);
-    if (ec)
-      return FsError(absl::StrCat("cannot remove ", staging.string()), ec);
-    KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));
-  } else {
-    KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
-    if (fs::exists(out_dir, ec)) fs::remove(out_dir, ec);  // empty, checked
-    KVCAL_RETURN_IF_ERROR(Rename(staging, out_dir));
-    KVCAL_RETURN_IF_ERROR(SyncDirectory(out_dir.parent_path().empty()
-                                            ? std::string(".")
-                                            : out_dir.parent_path().string()));
-  }
+  KVCAL_RETURN_IF_ERROR(Commit(checkpoint, plan, staged, crash));
   crash.Step();
   return report;
 }

@@ -23,6 +23,12 @@
 // RecoverInterruptedPatch completes the renames. With out_dir, the patched
 // copy is built in OUT_DIR.kvcal-partial and renamed to OUT_DIR at the end.
 //
+// The steps, each a function in checkpoint_patcher.cc: discover (read
+// config.json, the index and every shard header), plan (the new config, the
+// scale tensors under the target's names, each output file's contents; vLLM
+// 0.34's rules checked), stage (write and fsync into the staging
+// directory), verify (byte for byte), commit (journal, then renames).
+//
 // A corrupt journal is a DATA_LOSS error that says what to do, never a
 // crash. PatchOptions::on_step is a test seam: the fault-injection test kills
 // the process at each step in turn.
@@ -60,6 +66,10 @@ struct PatchOptions {
   PatchTarget target = PatchTarget::kCompressedTensors;
   // Called with 1, 2, ... at each step of the patch (tests only).
   std::function<void(int step)> on_step;
+  // Called as the long steps advance, from the calling thread: bytes staged
+  // (written, or copied with out_dir) plus bytes verified so far, and their
+  // total (known once the patch is planned).
+  std::function<void(uint64_t done_bytes, uint64_t total_bytes)> on_progress;
 };
 
 struct PatchReport {

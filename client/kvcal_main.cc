@@ -21,6 +21,7 @@
 #include "client/checkpoint_patcher.h"
 #include "client/connection.h"
 #include "client/kvcal_cli.h"
+#include "client/progress.h"
 #include "client/report.h"
 #include "kernels/scale_math.h"
 #include "proto/names.h"
@@ -341,14 +342,46 @@ absl::StatusOr<CommandResult> RunFinalize(const Args& a) {
   return CommandResult{std::move(result)};
 }
 
+// A patch or an inspection with its progress on stderr, like push's; a run
+// shorter than a second prints none.
+absl::StatusOr<PatchReport> PatchWithProgress(PatchOptions options) {
+  auto counters = std::make_shared<ProgressCounters>();
+  ProgressReporter progress(
+      "patch", {.unit = "", .quiet_for = absl::Seconds(1)}, counters);
+  options.on_progress = [&](uint64_t done, uint64_t total) {
+    counters->total_bytes = total;
+    counters->bytes = done;
+  };
+  absl::StatusOr<PatchReport> report = PatchCheckpoint(options);
+  progress.Finish();
+  return report;
+}
+
+absl::StatusOr<InspectReport> InspectWithProgress(const std::string& dir,
+                                                  const VllmLoadOptions& vllm) {
+  auto counters = std::make_shared<ProgressCounters>();
+  ProgressReporter progress(
+      "inspect", {.unit = "files", .quiet_for = absl::Seconds(1)}, counters);
+  absl::StatusOr<InspectReport> report = InspectCheckpoint(
+      dir, vllm, [&](uint64_t files, uint64_t total_files, uint64_t bytes) {
+        counters->total_items = total_files;
+        counters->items = files;
+        counters->total_bytes = bytes;  // the total is known at the end only
+        counters->bytes = bytes;
+      });
+  progress.Finish();
+  return report;
+}
+
 absl::StatusOr<CommandResult> RunPatch(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(PatchTarget target, ParsePatchTarget(a.target));
   PatchOptions options{.checkpoint_dir = a.checkpoint,
                        .scales_path = a.scales,
                        .out_dir = a.out_dir,
                        .target = target,
-                       .on_step = {}};
-  KVCAL_ASSIGN_OR_RETURN(PatchReport report, PatchCheckpoint(options));
+                       .on_step = {},
+                       .on_progress = {}};
+  KVCAL_ASSIGN_OR_RETURN(PatchReport report, PatchWithProgress(options));
   if (!a.json) std::cout << PatchText(report);
   return CommandResult{PatchJson(report)};
 }
@@ -356,7 +389,7 @@ absl::StatusOr<CommandResult> RunPatch(const Args& a) {
 absl::StatusOr<CommandResult> RunInspect(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(VllmLoadOptions options, InspectOptions(a));
   KVCAL_ASSIGN_OR_RETURN(InspectReport report,
-                         InspectCheckpoint(a.checkpoint, options));
+                         InspectWithProgress(a.checkpoint, options));
   if (!a.json) std::cout << report.ToText();
   return CommandResult{report.ToJson(), report.ok() ? 0 : 1};
 }
@@ -382,18 +415,19 @@ absl::StatusOr<CommandResult> RunCalibrate(Args a) {
     std::cout << FinalizeTable(f.response) << "wrote " << a.output << "\n";
   KVCAL_ASSIGN_OR_RETURN(PatchTarget target, ParsePatchTarget(a.target));
   KVCAL_ASSIGN_OR_RETURN(PatchReport report,
-                         PatchCheckpoint({.checkpoint_dir = a.checkpoint,
-                                          .scales_path = a.output,
-                                          .out_dir = a.out_dir,
-                                          .target = target,
-                                          .on_step = {}}));
+                         PatchWithProgress({.checkpoint_dir = a.checkpoint,
+                                            .scales_path = a.output,
+                                            .out_dir = a.out_dir,
+                                            .target = target,
+                                            .on_step = {},
+                                            .on_progress = {}}));
   if (!a.json) std::cout << PatchText(report);
   // A Quark model needs --kv-cache-dtype fp8 (the patch says so); predict
   // that run.
   VllmLoadOptions vllm;
   if (target == PatchTarget::kQuark) vllm.kv_cache_dtype = "fp8";
   KVCAL_ASSIGN_OR_RETURN(InspectReport inspect,
-                         InspectCheckpoint(report.output_dir, vllm));
+                         InspectWithProgress(report.output_dir, vllm));
   if (!a.json) std::cout << inspect.ToText();
   return CommandResult{Json{{"session", SessionJson(s)},
                             {"push", PushJson(p)},

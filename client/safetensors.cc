@@ -249,7 +249,8 @@ absl::Span<const std::byte> SafetensorsFile::Data(
 
 absl::Status WriteSafetensors(
     const std::string& path, absl::Span<const TensorToWrite> tensors,
-    const std::map<std::string, std::string>& metadata, size_t block_bytes) {
+    const std::map<std::string, std::string>& metadata, size_t block_bytes,
+    const std::function<void(uint64_t bytes)>& on_block) {
   if (block_bytes == 0) block_bytes = 1;
   Json header = Json::object();
   if (!metadata.empty()) {
@@ -298,6 +299,7 @@ absl::Status WriteSafetensors(
     for (size_t done = 0; done < t.data.size(); done += block_bytes) {
       const size_t n = std::min(block_bytes, t.data.size() - done);
       KVCAL_RETURN_IF_ERROR(WriteAll(fd.get(), t.data.data() + done, n, path));
+      if (on_block) on_block(n);
     }
   }
   if (::fsync(fd.get()) != 0) return ErrnoError("cannot fsync", path);

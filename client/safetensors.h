@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -107,10 +108,12 @@ struct TensorToWrite {
 // Writes `tensors` (in the given order) to `path`, creating or truncating it:
 // header padded to 8 bytes, data copied in blocks of at most `block_bytes`,
 // then fsync. Checks every tensor's size against its dtype and shape.
+// `on_block`, when set, is called with each block's size once written.
 [[nodiscard]] absl::Status WriteSafetensors(
     const std::string& path, absl::Span<const TensorToWrite> tensors,
     const std::map<std::string, std::string>& metadata,
-    size_t block_bytes = size_t{8} << 20);
+    size_t block_bytes = size_t{8} << 20,
+    const std::function<void(uint64_t bytes)>& on_block = {});
 
 }  // namespace kvcal
 

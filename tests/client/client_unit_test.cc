@@ -256,6 +256,16 @@ TEST(ProgressTest, LineShowsBytesChunksRateAndEta) {
       ::testing::Not(HasSubstr("[")));
 }
 
+TEST(ProgressTest, LineWithoutUnitShowsBytesOnly) {
+  const std::string line =
+      ProgressReporter::Line("patch", 3 << 20, 6 << 20, 0, 0, absl::Seconds(3),
+                             /*bar=*/false, /*unit=*/"");
+  EXPECT_THAT(line, HasSubstr("50% 3.0/6.0 MiB, 1.0 MiB/s, ETA 3s"));
+  EXPECT_THAT(ProgressReporter::Line("inspect", 0, 0, 2, 5, absl::Seconds(1),
+                                     false, "files"),
+              HasSubstr("2/5 files"));
+}
+
 TEST(CliNamesTest, ParsesObserversGranularitiesFormats) {
   EXPECT_EQ(*ParseObserver("minmax-ema"), v1::OBSERVER_MINMAX_EMA);
   EXPECT_EQ(*ParseObserver("percentile"), v1::OBSERVER_PERCENTILE);

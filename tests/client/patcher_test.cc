@@ -298,6 +298,46 @@ TEST_F(PatcherTest, SingleFileIsRewrittenWithScalesAdded) {
   EXPECT_TRUE(inspect->ok()) << inspect->ToText();
 }
 
+// Progress covers the rewrite and the verification of a single-file model:
+// the total is the file's kept tensors written plus verified plus the new
+// scales, reached exactly at the end, never decreasing on the way.
+TEST_F(PatcherTest, ProgressCountsEveryByteStagedAndVerified) {
+  MakeModel(SmallModel(/*sharded=*/false));
+  const std::string scales = WriteScales(
+      MakeScales(model_, Granularity::kPerHead, 0.03f), "scales.safetensors");
+  auto source = SafetensorsFile::Open(dir_ / "model/model.safetensors");
+  ASSERT_TRUE(source.ok());
+  uint64_t tensor_bytes = 0;
+  for (const TensorInfo& t : source->tensors()) tensor_bytes += t.size();
+  std::vector<std::pair<uint64_t, uint64_t>> calls;
+  PatchOptions options = Options(scales);
+  options.on_progress = [&](uint64_t done, uint64_t total) {
+    calls.emplace_back(done, total);
+  };
+  auto report = PatchCheckpoint(options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  ASSERT_GT(calls.size(), 30u);  // at least one per tensor verified
+  // 3 layers of 4 q heads, 2 k and 2 v heads.
+  const uint64_t scale_bytes = 3 * (4 + 2 + 2) * sizeof(float);
+  EXPECT_EQ(calls.back().second, 2 * tensor_bytes + scale_bytes);
+  EXPECT_EQ(calls.back().first, calls.back().second);
+  for (size_t i = 1; i < calls.size(); ++i) {
+    EXPECT_GE(calls[i].first, calls[i - 1].first);
+    EXPECT_EQ(calls[i].second, calls[0].second);
+  }
+  // Inspection reports each tensor file.
+  std::vector<uint64_t> files;
+  auto inspect =
+      InspectCheckpoint(dir_ / "model", VllmLoadOptions(),
+                        [&](uint64_t done, uint64_t total, uint64_t bytes) {
+                          files.push_back(done);
+                          EXPECT_EQ(total, 1u);
+                          EXPECT_GT(bytes, tensor_bytes);
+                        });
+  ASSERT_TRUE(inspect.ok());
+  EXPECT_EQ(files, std::vector<uint64_t>{1});
+}
+
 TEST_F(PatcherTest, RecalibrationReplacesScalesInsideAnOriginalShard) {
   MakeModel(SmallModel(/*sharded=*/true));
   // Put old scales of layer 0 inside the first big shard, as a checkpoint

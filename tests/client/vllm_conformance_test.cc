@@ -197,7 +197,8 @@ class TargetConformanceTest : public ::testing::TestWithParam<Case> {
                             .scales_path = dir_ / "scales.safetensors",
                             .out_dir = dir_ / "out",
                             .target = target_,
-                            .on_step = {}});
+                            .on_step = {},
+                            .on_progress = {}});
   }
   // What vLLM can load at all (the patcher refuses everything else).
   bool Loadable() const {
@@ -412,7 +413,8 @@ TEST(QPerKvGroupTest, IsRefusedBecauseVllmReducesQItself) {
                                .scales_path = dir / "s.safetensors",
                                .out_dir = "",
                                .target = PatchTarget::kCompressedTensors,
-                               .on_step = {}})
+                               .on_step = {},
+                               .on_progress = {}})
                   .status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("--q-per-kv-group")));
@@ -436,7 +438,8 @@ TEST(ModelOptNestedTest, SetsQuantizationKvCacheQuantAlgo) {
                                  .scales_path = dir / "s.safetensors",
                                  .out_dir = "",
                                  .target = PatchTarget::kModelOpt,
-                                 .on_step = {}});
+                                 .on_step = {},
+                                 .on_progress = {}});
   ASSERT_TRUE(report.ok()) << report.status();
   const Json q =
       Json::parse(ReadFile(dir / "model/config.json"))["quantization_config"];
@@ -465,7 +468,8 @@ TEST(QuarkWithoutExportTest, IsRefusedAndNothingChanges) {
                        .scales_path = dir / "s.safetensors",
                        .out_dir = "",
                        .target = PatchTarget::kQuark,
-                       .on_step = {}})
+                       .on_step = {},
+                       .on_progress = {}})
           .status(),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("'export'")));
   EXPECT_TRUE(Snapshot(dir / "model") == before);
