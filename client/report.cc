@@ -548,14 +548,9 @@ std::vector<std::vector<double>> ScaleMatrix(const ScaleResult& result,
   return out;
 }
 
-}  // namespace
-
-absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
-  if (!in.statistics && !in.scales) {
-    return absl::InvalidArgumentError(
-        "kvcal report needs a session (--server and --session) or a scales "
-        "file (--scales)");
-  }
+// The evaluation results, each checked against the session's geometry.
+absl::StatusOr<std::vector<EvaluationRow>> ParseEvaluations(
+    const ReportInputs& in) {
   std::vector<EvaluationRow> evaluations;
   for (const EvaluationInput& e : in.evaluations) {
     KVCAL_ASSIGN_OR_RETURN(EvaluationRow row, ParseEvaluation(e));
@@ -571,196 +566,214 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
     }
     evaluations.push_back(std::move(row));
   }
+  return evaluations;
+}
 
-  Report report;
-  std::vector<std::string> figures;
-  std::vector<std::string> skipped;
-  std::vector<Estimate> estimates;
-  const Geometry* g = in.statistics ? &in.statistics->geometry() : nullptr;
-  if (in.statistics) {
-    estimates = EstimateObservers(*in.statistics, in.format, skipped);
-  }
-  const bool have_estimates = g != nullptr && g->has_histograms();
-
-  // --- The recommendation ---------------------------------------------------
-  OrderedJson rec;
+// What the page recommends, why, and the evaluation row it rests on.
+struct Recommendation {
+  OrderedJson json;
   std::string reason;
-  const EvaluationRow* chosen_row = nullptr;
-  if (!evaluations.empty()) {
-    // Per kind (K/V only, Q/K/V): the simplest row (static min-max per
-    // tensor, when evaluated), replaced by the lowest-loss row only when its
-    // loss is lower by more than kSignificantNats (on a few thousand
-    // evaluation tokens smaller differences are run-to-run spread) and its
-    // mean attention error is not larger.
-    const auto simplest_or_best = [&](bool kv) -> const EvaluationRow* {
-      const EvaluationRow* base = nullptr;
-      const EvaluationRow* best = nullptr;
-      for (const EvaluationRow& r : evaluations) {
-        if (r.kv_only != kv) continue;
-        if (!best || r.delta_nll < best->delta_nll) best = &r;
-        if (!base && r.observer == "static_minmax" &&
-            r.granularity == "tensor") {
-          base = &r;
-        }
-      }
-      if (!base) return best;
-      // A lower loss with a larger attention error is not trusted: on this
-      // few tokens the loss moves by chance, the attention error does not.
-      return best->delta_nll < base->delta_nll - kSignificantNats &&
-                     best->attention_mean <= base->attention_mean
-                 ? best
-                 : base;
-    };
-    const EvaluationRow* best_kv = simplest_or_best(true);
-    const EvaluationRow* best_qkv = simplest_or_best(false);
-    bool kv_only;
-    std::string quantize_why;
-    if (best_kv && best_qkv) {
-      const double extra = best_qkv->delta_nll - best_kv->delta_nll;
-      kv_only = extra > kSignificantNats;
-      quantize_why = absl::StrFormat(
-          "quantizing Q as well costs %+.4f nats/token over K/V only (%s "
-          "%.3f) and raises the mean attention error from %s to %s%s",
-          extra, kv_only ? "more than" : "at most", kSignificantNats,
-          Percent(best_kv->attention_mean), Percent(best_qkv->attention_mean),
-          kv_only ? "" : "; take it where FP8 attention is faster");
-    } else {
-      kv_only = best_kv != nullptr;
-      quantize_why = kv_only ? "only K/V-only evaluations were given"
-                             : "only Q/K/V evaluations were given";
-    }
-    const EvaluationRow* best = kv_only ? best_kv : best_qkv;
-    std::string granularity_why =
-        best->observer == "static_minmax" && best->granularity == "tensor"
-            ? absl::StrFormat(
-                  "no observer or granularity lowers the loss by more than "
-                  "%.3f nats/token against static min-max per tensor, the "
-                  "simplest (it cannot saturate on its calibration data and "
-                  "loads in every vLLM attention backend)",
-                  kSignificantNats)
-            : absl::StrFormat(
-                  "it lowers the loss by more than %.3f nats/token against "
-                  "static min-max per tensor, at no larger attention error",
-                  kSignificantNats);
-    if (best->delta_nll_ones > best->delta_nll + kSignificantNats) {
-      absl::StrAppendFormat(&granularity_why,
-                            "; scale 1.0 costs %+.4f nats/token more",
-                            best->delta_nll_ones - best->delta_nll);
-    } else {
-      absl::StrAppendFormat(
-          &granularity_why,
-          "; scale 1.0 is not measurably worse here (%+.4f vs %+.4f "
-          "nats/token, attention error %s vs %s, saturating %s): calibrated "
-          "scales still guard against values beyond 448",
-          best->delta_nll_ones, best->delta_nll,
-          Percent(best->attention_ones_mean), Percent(best->attention_mean),
-          Percent(best->saturated_ones, 4));
-    }
-    chosen_row = best;
-    // Margin: how far the evaluation's maxima pass the clip points.
-    double over = 0.0;
-    for (int r = kv_only ? 1 : 0; r < 3; ++r) {
-      for (size_t l = 0;
-           l < best->scale[r].size() && l < best->absmax[r].size(); ++l) {
-        for (size_t h = 0;
-             h < best->scale[r][l].size() && h < best->absmax[r][l].size();
-             ++h) {
-          const double clip = best->scale[r][l][h] * FormatMax(in.format);
-          if (clip > 0) over = std::max(over, best->absmax[r][l][h] / clip);
-        }
-      }
-    }
-    double margin = 1.0;
-    std::string margin_why = absl::StrFormat(
-        "the evaluation's maxima stay within the clip points (at most %.3f "
-        "of them)",
-        over);
-    if (best->saturated > 0 && over > 1.0) {
-      margin = std::ceil(over * 20.0) / 20.0;
-      margin_why = absl::StrFormat(
-          "the evaluation's maxima pass the clip points by up to %.3fx "
-          "(%s of values saturate)",
-          over, Percent(best->saturated, 4));
-    }
-    rec = {{"observer", best->observer},
-           {"label", best->label},
-           {"granularity", best->granularity},
-           {"quantize", kv_only ? "k_v" : "q_k_v"},
-           {"q_per_kv_group", best->q_per_kv_group},
-           {"margin", margin},
-           {"basis", "evaluation"},
-           {"delta_nll", best->delta_nll},
-           {"delta_nll_scale_one", best->delta_nll_ones}};
-    reason = absl::StrFormat(
-        "Measured on the evaluation data: %s per %s costs %+.4f nats/token "
-        "against the unquantized model (perplexity %.3f vs %.3f); scale 1.0 "
-        "costs %+.4f. Choice: %s. Q: %s. Margin %.2f: %s.",
-        best->label, best->granularity, best->delta_nll, best->perplexity,
-        best->reference_perplexity, best->delta_nll_ones, granularity_why,
-        quantize_why, margin, margin_why);
-  } else if (have_estimates && !estimates.empty()) {
-    const Estimate* best = nullptr;
-    const Estimate* best_tensor = nullptr;
-    for (const Estimate& e : estimates) {
-      if (e.variant->q_per_kv_group) continue;  // q is not judged here
-      if (!best || e.kv_error < best->kv_error) best = &e;
-      if (e.variant->granularity == Granularity::kPerTensor &&
-          (!best_tensor || e.kv_error < best_tensor->kv_error)) {
-        best_tensor = &e;
-      }
-    }
-    std::string granularity_why = "the lowest estimated error";
-    if (best_tensor && best != best_tensor &&
-        best_tensor->kv_error <= best->kv_error * 1.02) {
-      granularity_why = absl::StrFormat(
-          "per tensor is within 2%% of the best per-head estimate (%s vs %s) "
-          "and loads in every vLLM attention backend",
-          Percent(best_tensor->kv_error), Percent(best->kv_error));
-      best = best_tensor;
-    }
-    const bool head = best->variant->granularity == Granularity::kPerHead;
-    rec = {{"observer", ObserverName(best->observer->observer)},
-           {"label", best->observer->label},
-           {"granularity", head ? "head" : "tensor"},
-           {"quantize", "k_v"},
-           {"q_per_kv_group", false},
-           {"margin", 1.0},
-           {"basis", "statistics"},
-           {"estimated_kv_error", best->kv_error}};
-    reason = absl::StrFormat(
-        "Estimated from the calibration statistics (no evaluation given): %s "
-        "per %s has the lowest mean relative RMS error on K and V (%s; "
-        "saturating %s of K and %s of V). Granularity: %s. K/V only: whether "
-        "Q can be quantized too needs a measurement (kvcal.torch.evaluate, "
-        "then kvcal report --eval). Margin 1.0: no evaluation maxima to "
-        "compare with.",
-        best->observer->label, head ? "head" : "tensor",
-        Percent(best->kv_error), Percent(best->roles[1].saturated, 4),
-        Percent(best->roles[2].saturated, 4), granularity_why);
-  } else {
-    rec = {{"observer", in.scales ? in.scales->observer : "static_minmax"},
-           {"granularity",
-            in.scales ? std::string(GranularityName(in.scales->granularity))
-                      : "tensor"},
-           {"quantize", "k_v"},
-           {"margin", 1.0},
-           {"basis", "none"}};
-    reason =
-        "No basis for a recommendation: without histograms in the session "
-        "or evaluation results, the page shows the scales only. Calibrate "
-        "with histograms (the default) and pass --eval results to compare "
-        "observers.";
-  }
-  rec["reason"] = reason;
+  const EvaluationRow* row = nullptr;
+};
 
-  // --- The page ------------------------------------------------------------
+// How far the evaluation's maxima pass the clip points of `best`'s scales
+// (largest ratio over the quantized roles, layers and heads).
+double ClipOvershoot(const EvaluationRow& best, bool kv_only, Format format) {
+  double over = 0.0;
+  for (int r = kv_only ? 1 : 0; r < 3; ++r) {
+    for (size_t l = 0; l < best.scale[r].size() && l < best.absmax[r].size();
+         ++l) {
+      for (size_t h = 0;
+           h < best.scale[r][l].size() && h < best.absmax[r][l].size(); ++h) {
+        const double clip = best.scale[r][l][h] * FormatMax(format);
+        if (clip > 0) over = std::max(over, best.absmax[r][l][h] / clip);
+      }
+    }
+  }
+  return over;
+}
+
+// From measured evaluations (kvcal.torch.evaluate).
+Recommendation RecommendFromEvaluations(
+    const std::vector<EvaluationRow>& evaluations, Format format) {
+  Recommendation out;
+  // Per kind (K/V only, Q/K/V): the simplest row (static min-max per
+  // tensor, when evaluated), replaced by the lowest-loss row only when its
+  // loss is lower by more than kSignificantNats (on a few thousand
+  // evaluation tokens smaller differences are run-to-run spread) and its
+  // mean attention error is not larger.
+  const auto simplest_or_best = [&](bool kv) -> const EvaluationRow* {
+    const EvaluationRow* base = nullptr;
+    const EvaluationRow* best = nullptr;
+    for (const EvaluationRow& r : evaluations) {
+      if (r.kv_only != kv) continue;
+      if (!best || r.delta_nll < best->delta_nll) best = &r;
+      if (!base && r.observer == "static_minmax" && r.granularity == "tensor") {
+        base = &r;
+      }
+    }
+    if (!base) return best;
+    // A lower loss with a larger attention error is not trusted: on this
+    // few tokens the loss moves by chance, the attention error does not.
+    return best->delta_nll < base->delta_nll - kSignificantNats &&
+                   best->attention_mean <= base->attention_mean
+               ? best
+               : base;
+  };
+  const EvaluationRow* best_kv = simplest_or_best(true);
+  const EvaluationRow* best_qkv = simplest_or_best(false);
+  bool kv_only;
+  std::string quantize_why;
+  if (best_kv && best_qkv) {
+    const double extra = best_qkv->delta_nll - best_kv->delta_nll;
+    kv_only = extra > kSignificantNats;
+    quantize_why = absl::StrFormat(
+        "quantizing Q as well costs %+.4f nats/token over K/V only (%s "
+        "%.3f) and raises the mean attention error from %s to %s%s",
+        extra, kv_only ? "more than" : "at most", kSignificantNats,
+        Percent(best_kv->attention_mean), Percent(best_qkv->attention_mean),
+        kv_only ? "" : "; take it where FP8 attention is faster");
+  } else {
+    kv_only = best_kv != nullptr;
+    quantize_why = kv_only ? "only K/V-only evaluations were given"
+                           : "only Q/K/V evaluations were given";
+  }
+  const EvaluationRow* best = kv_only ? best_kv : best_qkv;
+  std::string granularity_why =
+      best->observer == "static_minmax" && best->granularity == "tensor"
+          ? absl::StrFormat(
+                "no observer or granularity lowers the loss by more than "
+                "%.3f nats/token against static min-max per tensor, the "
+                "simplest (it cannot saturate on its calibration data and "
+                "loads in every vLLM attention backend)",
+                kSignificantNats)
+          : absl::StrFormat(
+                "it lowers the loss by more than %.3f nats/token against "
+                "static min-max per tensor, at no larger attention error",
+                kSignificantNats);
+  if (best->delta_nll_ones > best->delta_nll + kSignificantNats) {
+    absl::StrAppendFormat(&granularity_why,
+                          "; scale 1.0 costs %+.4f nats/token more",
+                          best->delta_nll_ones - best->delta_nll);
+  } else {
+    absl::StrAppendFormat(
+        &granularity_why,
+        "; scale 1.0 is not measurably worse here (%+.4f vs %+.4f "
+        "nats/token, attention error %s vs %s, saturating %s): calibrated "
+        "scales still guard against values beyond 448",
+        best->delta_nll_ones, best->delta_nll,
+        Percent(best->attention_ones_mean), Percent(best->attention_mean),
+        Percent(best->saturated_ones, 4));
+  }
+  out.row = best;
+  const double over = ClipOvershoot(*best, kv_only, format);
+  double margin = 1.0;
+  std::string margin_why = absl::StrFormat(
+      "the evaluation's maxima stay within the clip points (at most %.3f "
+      "of them)",
+      over);
+  if (best->saturated > 0 && over > 1.0) {
+    margin = std::ceil(over * 20.0) / 20.0;
+    margin_why = absl::StrFormat(
+        "the evaluation's maxima pass the clip points by up to %.3fx "
+        "(%s of values saturate)",
+        over, Percent(best->saturated, 4));
+  }
+  out.json = {{"observer", best->observer},
+              {"label", best->label},
+              {"granularity", best->granularity},
+              {"quantize", kv_only ? "k_v" : "q_k_v"},
+              {"q_per_kv_group", best->q_per_kv_group},
+              {"margin", margin},
+              {"basis", "evaluation"},
+              {"delta_nll", best->delta_nll},
+              {"delta_nll_scale_one", best->delta_nll_ones}};
+  out.reason = absl::StrFormat(
+      "Measured on the evaluation data: %s per %s costs %+.4f nats/token "
+      "against the unquantized model (perplexity %.3f vs %.3f); scale 1.0 "
+      "costs %+.4f. Choice: %s. Q: %s. Margin %.2f: %s.",
+      best->label, best->granularity, best->delta_nll, best->perplexity,
+      best->reference_perplexity, best->delta_nll_ones, granularity_why,
+      quantize_why, margin, margin_why);
+  return out;
+}
+
+// From the statistics alone: the lowest estimated K/V error.
+Recommendation RecommendFromEstimates(const std::vector<Estimate>& estimates) {
+  Recommendation out;
+  const Estimate* best = nullptr;
+  const Estimate* best_tensor = nullptr;
+  for (const Estimate& e : estimates) {
+    if (e.variant->q_per_kv_group) continue;  // q is not judged here
+    if (!best || e.kv_error < best->kv_error) best = &e;
+    if (e.variant->granularity == Granularity::kPerTensor &&
+        (!best_tensor || e.kv_error < best_tensor->kv_error)) {
+      best_tensor = &e;
+    }
+  }
+  std::string granularity_why = "the lowest estimated error";
+  if (best_tensor && best != best_tensor &&
+      best_tensor->kv_error <= best->kv_error * 1.02) {
+    granularity_why = absl::StrFormat(
+        "per tensor is within 2%% of the best per-head estimate (%s vs %s) "
+        "and loads in every vLLM attention backend",
+        Percent(best_tensor->kv_error), Percent(best->kv_error));
+    best = best_tensor;
+  }
+  const bool head = best->variant->granularity == Granularity::kPerHead;
+  out.json = {{"observer", ObserverName(best->observer->observer)},
+              {"label", best->observer->label},
+              {"granularity", head ? "head" : "tensor"},
+              {"quantize", "k_v"},
+              {"q_per_kv_group", false},
+              {"margin", 1.0},
+              {"basis", "statistics"},
+              {"estimated_kv_error", best->kv_error}};
+  out.reason = absl::StrFormat(
+      "Estimated from the calibration statistics (no evaluation given): %s "
+      "per %s has the lowest mean relative RMS error on K and V (%s; "
+      "saturating %s of K and %s of V). Granularity: %s. K/V only: whether "
+      "Q can be quantized too needs a measurement (kvcal.torch.evaluate, "
+      "then kvcal report --eval). Margin 1.0: no evaluation maxima to "
+      "compare with.",
+      best->observer->label, head ? "head" : "tensor", Percent(best->kv_error),
+      Percent(best->roles[1].saturated, 4),
+      Percent(best->roles[2].saturated, 4), granularity_why);
+  return out;
+}
+
+// Neither evaluations nor histograms: the page shows the scales only.
+Recommendation NoRecommendation(const ReportInputs& in) {
+  Recommendation out;
+  out.json = {{"observer", in.scales ? in.scales->observer : "static_minmax"},
+              {"granularity",
+               in.scales ? std::string(GranularityName(in.scales->granularity))
+                         : "tensor"},
+              {"quantize", "k_v"},
+              {"margin", 1.0},
+              {"basis", "none"}};
+  out.reason =
+      "No basis for a recommendation: without histograms in the session "
+      "or evaluation results, the page shows the scales only. Calibrate "
+      "with histograms (the default) and pass --eval results to compare "
+      "observers.";
+  return out;
+}
+
+// The page as it is written: its body and the ids of its figures.
+struct Page {
   std::string body;
-  const auto section = [&](const std::string& id, const std::string& title) {
+  std::vector<std::string> figures;
+  void Section(const std::string& id, const std::string& title) {
     absl::StrAppend(&body, "<section id=\"", id, "\"><h2>", Escape(title),
                     "</h2>");
-  };
+  }
+};
 
-  section("recommendation", "Recommendation");
+void RecommendationSection(const Recommendation& recommendation, Page& page) {
+  const OrderedJson& rec = recommendation.json;
+  std::string& body = page.body;
+  page.Section("recommendation", "Recommendation");
   absl::StrAppendFormat(
       &body,
       "<p class=\"rec\"><b>%s</b>, per <b>%s</b>, quantize <b>%s</b>%s, "
@@ -774,11 +787,18 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
               rec["quantize"] == "q_k_v"
           ? " (q reduced per KV group)"
           : "",
-      rec["margin"].get<double>(), Escape(reason));
+      rec["margin"].get<double>(), Escape(recommendation.reason));
   body += "</section>";
+}
 
-  // Scale heatmaps: the scales file's, else the recommended ones.
-  section("scales", "Scales per layer and head");
+// Scale heatmaps (the scales file's, else the recommended ones) and the
+// calibration maxima per layer and head.
+void ScalesSection(const ReportInputs& in, const OrderedJson& rec,
+                   const std::vector<Estimate>& estimates, Page& page) {
+  std::string& body = page.body;
+  std::vector<std::string>& figures = page.figures;
+  const Geometry* g = in.statistics ? &in.statistics->geometry() : nullptr;
+  page.Section("scales", "Scales per layer and head");
   const ScaleResult* shown = nullptr;
   std::string shown_name;
   ScaleResult from_file;
@@ -867,216 +887,235 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
     }
   }
   body += "</section>";
+}
 
-  // Histograms with each observer's clip point.
-  if (have_estimates) {
-    section("histograms", "|x| histograms and clip points");
-    body +=
-        "<p>Per layer, summed over heads; log<sub>2</sub> |x| across, "
-        "log count up. Lines: each observer's per-tensor clip point "
-        "(scale &#215; format max); dashed: the calibration maximum.</p>"
-        "<p class=\"legend\">";
-    for (const ObserverChoice& o : kObservers) {
-      absl::StrAppendFormat(&body,
-                            "<span style=\"color:%s\">&#9608; %s</span> ",
-                            o.color, o.label);
-    }
-    body += "</p>";
-    const uint32_t log2_bins = g->log2_bins_per_octave();
-    for (int r = 0; r < 3; ++r) {
-      if (!g->collects(kRoles[r])) continue;
-      // One x range for the role: the smallest non-empty octave bin to the
-      // largest maximum or clip point.
-      double x_lo = std::numeric_limits<double>::infinity(), x_hi = -x_lo;
-      std::vector<std::vector<uint64_t>> counts(g->num_layers);
-      std::vector<double> absmax(g->num_layers, 0.0);
-      for (uint32_t l = 0; l < g->num_layers; ++l) {
-        counts[l].assign(g->histogram_bins(), 0);
-        for (uint32_t h = 0; h < g->heads(kRoles[r]); ++h) {
-          const HeadStatistics& hs = in.statistics->head(l, kRoles[r], h);
-          for (size_t b = 0; b < hs.histogram.size(); ++b) {
-            counts[l][b] += hs.histogram[b];
-          }
-          if (hs.finite_count)
-            absmax[l] = std::max<double>(absmax[l], hs.absmax());
-        }
-        for (uint32_t b = kFirstOctaveBin; b + 1 < counts[l].size(); ++b) {
-          if (counts[l][b] == 0) continue;
-          x_lo = std::min<double>(
-              x_lo, std::log2(HistogramBinLowerEdge(b, log2_bins)));
-          break;
-        }
-        if (absmax[l] > 0) x_hi = std::max(x_hi, std::log2(absmax[l]));
-      }
-      if (!std::isfinite(x_lo) || !std::isfinite(x_hi)) continue;
-      x_hi += 0.5;
-      absl::StrAppend(&body, "<h3>", kRoleNames[r], "</h3><div class=\"row\">");
-      for (uint32_t l = 0; l < g->num_layers; ++l) {
-        std::vector<std::pair<double, const char*>> clips;
-        for (const Estimate& e : estimates) {
-          if (e.variant->granularity != Granularity::kPerTensor) continue;
-          for (const LayerScales& ls : e.scales.layers) {
-            if (ls.layer != l) continue;
-            const auto& role = ls.role(kRoles[r]);
-            if (role && !role->scale.empty()) {
-              clips.push_back(
-                  {role->scale[0] * FormatMax(in.format), e.observer->color});
-            }
-          }
-        }
-        absl::StrAppend(
-            &body, HistogramFigure(
-                       absl::StrCat("hist-", l, "-", kRoleNames[r]),
-                       absl::StrCat("layer ", l, " ", kRoleNames[r]), counts[l],
-                       log2_bins, x_lo, x_hi, clips, absmax[l], figures));
-      }
-      body += "</div>";
-    }
-    body += "</section>";
+// |x| histograms per layer with each observer's clip point.
+void HistogramsSection(const ReportInputs& in,
+                       const std::vector<Estimate>& estimates, Page& page) {
+  std::string& body = page.body;
+  std::vector<std::string>& figures = page.figures;
+  const Geometry* g = &in.statistics->geometry();
+  page.Section("histograms", "|x| histograms and clip points");
+  body +=
+      "<p>Per layer, summed over heads; log<sub>2</sub> |x| across, "
+      "log count up. Lines: each observer's per-tensor clip point "
+      "(scale &#215; format max); dashed: the calibration maximum.</p>"
+      "<p class=\"legend\">";
+  for (const ObserverChoice& o : kObservers) {
+    absl::StrAppendFormat(&body, "<span style=\"color:%s\">&#9608; %s</span> ",
+                          o.color, o.label);
   }
-
-  // Estimated quantization error per observer.
-  OrderedJson estimates_json = OrderedJson::array();
-  if (g) {
-    section("estimates", "Quantization error estimated from the statistics");
-    if (!have_estimates) {
-      body +=
-          "<p>The session has no histograms (created with "
-          "histogram_bins_per_octave = 0): nothing to estimate from.</p>";
-    } else {
-      body +=
-          "<p>For every observer and granularity the engine computes the "
-          "scales (as Finalize would) and, per head, the relative RMS error "
-          "sqrt(&#931;(fq(x) &#8722; x)&#178; / &#931;x&#178;) of quantizing "
-          "its calibration values: exact for each head's 256 largest |x|, "
-          "integrated over each histogram bin for the rest. Saturated: "
-          "values beyond the clip point; subnormal: values below scale "
-          "&#215; the smallest normal. Means over heads; shares over "
-          "values.</p><table><tr><th>observer</th><th>granularity</th>";
-      for (const char* role : kRoleNames) {
-        absl::StrAppend(&body, "<th>", role, " error mean / max</th>");
+  body += "</p>";
+  const uint32_t log2_bins = g->log2_bins_per_octave();
+  for (int r = 0; r < 3; ++r) {
+    if (!g->collects(kRoles[r])) continue;
+    // One x range for the role: the smallest non-empty octave bin to the
+    // largest maximum or clip point.
+    double x_lo = std::numeric_limits<double>::infinity(), x_hi = -x_lo;
+    std::vector<std::vector<uint64_t>> counts(g->num_layers);
+    std::vector<double> absmax(g->num_layers, 0.0);
+    for (uint32_t l = 0; l < g->num_layers; ++l) {
+      counts[l].assign(g->histogram_bins(), 0);
+      for (uint32_t h = 0; h < g->heads(kRoles[r]); ++h) {
+        const HeadStatistics& hs = in.statistics->head(l, kRoles[r], h);
+        for (size_t b = 0; b < hs.histogram.size(); ++b) {
+          counts[l][b] += hs.histogram[b];
+        }
+        if (hs.finite_count)
+          absmax[l] = std::max<double>(absmax[l], hs.absmax());
       }
-      body += "<th>saturated q / k / v</th><th>subnormal q / k / v</th></tr>";
-      std::vector<std::pair<std::string, double>> bars;
+      for (uint32_t b = kFirstOctaveBin; b + 1 < counts[l].size(); ++b) {
+        if (counts[l][b] == 0) continue;
+        x_lo = std::min<double>(x_lo,
+                                std::log2(HistogramBinLowerEdge(b, log2_bins)));
+        break;
+      }
+      if (absmax[l] > 0) x_hi = std::max(x_hi, std::log2(absmax[l]));
+    }
+    if (!std::isfinite(x_lo) || !std::isfinite(x_hi)) continue;
+    x_hi += 0.5;
+    absl::StrAppend(&body, "<h3>", kRoleNames[r], "</h3><div class=\"row\">");
+    for (uint32_t l = 0; l < g->num_layers; ++l) {
+      std::vector<std::pair<double, const char*>> clips;
       for (const Estimate& e : estimates) {
-        absl::StrAppend(&body, "<tr><td>", e.observer->label, "</td><td>",
-                        e.variant->label, "</td>");
-        OrderedJson ej = {{"observer", ObserverName(e.observer->observer)},
-                          {"label", e.observer->label},
-                          {"granularity", e.variant->label}};
-        std::string sat, sub;
-        for (int r = 0; r < 3; ++r) {
-          absl::StrAppend(&body, "<td>", Percent(e.roles[r].mean_error), " / ",
-                          Percent(e.roles[r].max_error), "</td>");
-          absl::StrAppend(&sat, r ? " / " : "",
-                          Percent(e.roles[r].saturated, 4));
-          absl::StrAppend(&sub, r ? " / " : "",
-                          Percent(e.roles[r].subnormal, 3));
-          ej[kRoleNames[r]] = {{"mean_error", e.roles[r].mean_error},
-                               {"max_error", e.roles[r].max_error},
-                               {"saturated", e.roles[r].saturated},
-                               {"subnormal", e.roles[r].subnormal}};
-        }
-        absl::StrAppend(&body, "<td>", sat, "</td><td>", sub, "</td></tr>");
-        estimates_json.push_back(std::move(ej));
-        if (!e.variant->q_per_kv_group) {
-          bars.push_back(
-              {absl::StrCat(e.observer->label, " per ",
-                            e.variant->granularity == Granularity::kPerTensor
-                                ? "tensor"
-                                : "head"),
-               e.kv_error});
-        }
-      }
-      body += "</table><p>Mean relative RMS error of K and V:</p>";
-      absl::StrAppend(&body, BarChart("chart-estimated-error", bars, figures));
-    }
-    for (const std::string& s : skipped) {
-      absl::StrAppend(&body, "<p class=\"note\">Not computed: ", Escape(s),
-                      "</p>");
-    }
-    body += "</section>";
-  }
-
-  // Headroom: evaluation maxima against calibration maxima (or clip points).
-  if (!evaluations.empty()) {
-    const EvaluationRow& row = chosen_row ? *chosen_row : evaluations.front();
-    section("headroom", "Headroom: evaluation maxima vs calibration");
-    std::vector<uint32_t> layers;
-    for (size_t l = 0; l < row.absmax[1].size(); ++l) {
-      layers.push_back(static_cast<uint32_t>(l));
-    }
-    std::string against;
-    double worst = 0.0;
-    std::vector<std::vector<double>> ratio[3];
-    for (int r = 0; r < 3; ++r) {
-      for (size_t l = 0; l < row.absmax[r].size(); ++l) {
-        std::vector<double> out;
-        for (size_t h = 0; h < row.absmax[r][l].size(); ++h) {
-          double base = std::numeric_limits<double>::quiet_NaN();
-          if (g && g->collects(kRoles[r]) && h < g->heads(kRoles[r]) &&
-              l < g->num_layers) {
-            const HeadStatistics& hs = in.statistics->head(
-                static_cast<uint32_t>(l), kRoles[r], static_cast<uint32_t>(h));
-            if (hs.finite_count) base = hs.absmax();
-            against = "the calibration maximum of the same head";
-          } else if (l < row.scale[r].size() && h < row.scale[r][l].size()) {
-            base = row.scale[r][l][h] * FormatMax(in.format);
-            against = "the clip point of the evaluated scales";
+        if (e.variant->granularity != Granularity::kPerTensor) continue;
+        for (const LayerScales& ls : e.scales.layers) {
+          if (ls.layer != l) continue;
+          const auto& role = ls.role(kRoles[r]);
+          if (role && !role->scale.empty()) {
+            clips.push_back(
+                {role->scale[0] * FormatMax(in.format), e.observer->color});
           }
-          const double v = row.absmax[r][l][h] / base;
-          if (std::isfinite(v)) worst = std::max(worst, v);
-          out.push_back(v);
         }
-        ratio[r].push_back(std::move(out));
+      }
+      absl::StrAppend(
+          &body, HistogramFigure(absl::StrCat("hist-", l, "-", kRoleNames[r]),
+                                 absl::StrCat("layer ", l, " ", kRoleNames[r]),
+                                 counts[l], log2_bins, x_lo, x_hi, clips,
+                                 absmax[l], figures));
+    }
+    body += "</div>";
+  }
+  body += "</section>";
+}
+
+// The estimated quantization error per observer and granularity; returns
+// the same as JSON for the summary.
+OrderedJson EstimatesSection(const ReportInputs& in,
+                             const std::vector<Estimate>& estimates,
+                             const std::vector<std::string>& skipped,
+                             Page& page) {
+  std::string& body = page.body;
+  std::vector<std::string>& figures = page.figures;
+  const bool have_estimates = in.statistics->geometry().has_histograms();
+  OrderedJson estimates_json = OrderedJson::array();
+  page.Section("estimates", "Quantization error estimated from the statistics");
+  if (!have_estimates) {
+    body +=
+        "<p>The session has no histograms (created with "
+        "histogram_bins_per_octave = 0): nothing to estimate from.</p>";
+  } else {
+    body +=
+        "<p>For every observer and granularity the engine computes the "
+        "scales (as Finalize would) and, per head, the relative RMS error "
+        "sqrt(&#931;(fq(x) &#8722; x)&#178; / &#931;x&#178;) of quantizing "
+        "its calibration values: exact for each head's 256 largest |x|, "
+        "integrated over each histogram bin for the rest. Saturated: "
+        "values beyond the clip point; subnormal: values below scale "
+        "&#215; the smallest normal. Means over heads; shares over "
+        "values.</p><table><tr><th>observer</th><th>granularity</th>";
+    for (const char* role : kRoleNames) {
+      absl::StrAppend(&body, "<th>", role, " error mean / max</th>");
+    }
+    body += "<th>saturated q / k / v</th><th>subnormal q / k / v</th></tr>";
+    std::vector<std::pair<std::string, double>> bars;
+    for (const Estimate& e : estimates) {
+      absl::StrAppend(&body, "<tr><td>", e.observer->label, "</td><td>",
+                      e.variant->label, "</td>");
+      OrderedJson ej = {{"observer", ObserverName(e.observer->observer)},
+                        {"label", e.observer->label},
+                        {"granularity", e.variant->label}};
+      std::string sat, sub;
+      for (int r = 0; r < 3; ++r) {
+        absl::StrAppend(&body, "<td>", Percent(e.roles[r].mean_error), " / ",
+                        Percent(e.roles[r].max_error), "</td>");
+        absl::StrAppend(&sat, r ? " / " : "", Percent(e.roles[r].saturated, 4));
+        absl::StrAppend(&sub, r ? " / " : "", Percent(e.roles[r].subnormal, 3));
+        ej[kRoleNames[r]] = {{"mean_error", e.roles[r].mean_error},
+                             {"max_error", e.roles[r].max_error},
+                             {"saturated", e.roles[r].saturated},
+                             {"subnormal", e.roles[r].subnormal}};
+      }
+      absl::StrAppend(&body, "<td>", sat, "</td><td>", sub, "</td></tr>");
+      estimates_json.push_back(std::move(ej));
+      if (!e.variant->q_per_kv_group) {
+        bars.push_back(
+            {absl::StrCat(e.observer->label, " per ",
+                          e.variant->granularity == Granularity::kPerTensor
+                              ? "tensor"
+                              : "head"),
+             e.kv_error});
       }
     }
-    absl::StrAppendFormat(
-        &body,
-        "<p>Evaluation |x| maximum (%s) divided by %s: above 1, the "
-        "evaluation saw values the calibration did not. Largest: %.3f.</p>"
-        "<div class=\"row\">",
-        Escape(row.name), against, worst);
-    for (int r = 0; r < 3; ++r) {
-      absl::StrAppend(
-          &body,
-          Heatmap(absl::StrCat("heatmap-headroom-", kRoleNames[r]),
-                  absl::StrCat(kRoleNames[r], ": evaluation / calibration max"),
-                  ratio[r], layers, false, figures));
-    }
-    body += "</div></section>";
-
-    section("evaluation", "Evaluation (kvcal.torch.evaluate)");
-    absl::StrAppendFormat(
-        &body,
-        "<p>Unquantized perplexity %.3f. Each row: the model run with its "
-        "scales; &#916; is the mean negative log-likelihood per token "
-        "against the unquantized run. Attention error: relative RMS error "
-        "of the attention output per layer and head. Saturated: the largest "
-        "share of any layer and head; subnormal: the mean share.</p>",
-        evaluations.front().reference_perplexity);
-    body +=
-        "<table><tr><th>result</th><th>observer</th><th>granularity</th>"
-        "<th>quantized</th><th>q scales</th><th>&#916; nats/token</th>"
-        "<th>perplexity</th><th>attention error mean / worst</th>"
-        "<th>saturated</th><th>subnormal</th><th>scale 1.0: &#916; / "
-        "attention error / saturated</th></tr>";
-    for (const EvaluationRow& r : evaluations) {
-      absl::StrAppendFormat(
-          &body,
-          "<tr%s><td>%s</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td>"
-          "<td>%+.4f</td><td>%.3f</td><td>%s / %s</td><td>%s</td><td>%s</td>"
-          "<td>%+.4f / %s / %s</td></tr>",
-          &r == chosen_row ? " class=\"chosen\"" : "", Escape(r.name),
-          Escape(r.label), Escape(r.granularity), QuantizedName(r.kv_only),
-          QScalesName(r), r.delta_nll, r.perplexity, Percent(r.attention_mean),
-          Percent(r.attention_worst), Percent(r.saturated, 4),
-          Percent(r.subnormal, 3), r.delta_nll_ones,
-          Percent(r.attention_ones_mean), Percent(r.saturated_ones, 4));
-    }
-    body += "</table></section>";
+    body += "</table><p>Mean relative RMS error of K and V:</p>";
+    absl::StrAppend(&body, BarChart("chart-estimated-error", bars, figures));
   }
+  for (const std::string& s : skipped) {
+    absl::StrAppend(&body, "<p class=\"note\">Not computed: ", Escape(s),
+                    "</p>");
+  }
+  body += "</section>";
+  return estimates_json;
+}
 
+// Evaluation maxima against calibration maxima (or clip points) for the
+// recommended row, and the table of every evaluation.
+void EvaluationSections(const ReportInputs& in,
+                        const std::vector<EvaluationRow>& evaluations,
+                        const EvaluationRow* chosen_row, Page& page) {
+  std::string& body = page.body;
+  std::vector<std::string>& figures = page.figures;
+  const Geometry* g = in.statistics ? &in.statistics->geometry() : nullptr;
+  const EvaluationRow& row = chosen_row ? *chosen_row : evaluations.front();
+  page.Section("headroom", "Headroom: evaluation maxima vs calibration");
+  std::vector<uint32_t> layers;
+  for (size_t l = 0; l < row.absmax[1].size(); ++l) {
+    layers.push_back(static_cast<uint32_t>(l));
+  }
+  std::string against;
+  double worst = 0.0;
+  std::vector<std::vector<double>> ratio[3];
+  for (int r = 0; r < 3; ++r) {
+    for (size_t l = 0; l < row.absmax[r].size(); ++l) {
+      std::vector<double> out;
+      for (size_t h = 0; h < row.absmax[r][l].size(); ++h) {
+        double base = std::numeric_limits<double>::quiet_NaN();
+        if (g && g->collects(kRoles[r]) && h < g->heads(kRoles[r]) &&
+            l < g->num_layers) {
+          const HeadStatistics& hs = in.statistics->head(
+              static_cast<uint32_t>(l), kRoles[r], static_cast<uint32_t>(h));
+          if (hs.finite_count) base = hs.absmax();
+          against = "the calibration maximum of the same head";
+        } else if (l < row.scale[r].size() && h < row.scale[r][l].size()) {
+          base = row.scale[r][l][h] * FormatMax(in.format);
+          against = "the clip point of the evaluated scales";
+        }
+        const double v = row.absmax[r][l][h] / base;
+        if (std::isfinite(v)) worst = std::max(worst, v);
+        out.push_back(v);
+      }
+      ratio[r].push_back(std::move(out));
+    }
+  }
+  absl::StrAppendFormat(
+      &body,
+      "<p>Evaluation |x| maximum (%s) divided by %s: above 1, the "
+      "evaluation saw values the calibration did not. Largest: %.3f.</p>"
+      "<div class=\"row\">",
+      Escape(row.name), against, worst);
+  for (int r = 0; r < 3; ++r) {
+    absl::StrAppend(
+        &body,
+        Heatmap(absl::StrCat("heatmap-headroom-", kRoleNames[r]),
+                absl::StrCat(kRoleNames[r], ": evaluation / calibration max"),
+                ratio[r], layers, false, figures));
+  }
+  body += "</div></section>";
+
+  page.Section("evaluation", "Evaluation (kvcal.torch.evaluate)");
+  absl::StrAppendFormat(
+      &body,
+      "<p>Unquantized perplexity %.3f. Each row: the model run with its "
+      "scales; &#916; is the mean negative log-likelihood per token "
+      "against the unquantized run. Attention error: relative RMS error "
+      "of the attention output per layer and head. Saturated: the largest "
+      "share of any layer and head; subnormal: the mean share.</p>",
+      evaluations.front().reference_perplexity);
+  body +=
+      "<table><tr><th>result</th><th>observer</th><th>granularity</th>"
+      "<th>quantized</th><th>q scales</th><th>&#916; nats/token</th>"
+      "<th>perplexity</th><th>attention error mean / worst</th>"
+      "<th>saturated</th><th>subnormal</th><th>scale 1.0: &#916; / "
+      "attention error / saturated</th></tr>";
+  for (const EvaluationRow& r : evaluations) {
+    absl::StrAppendFormat(
+        &body,
+        "<tr%s><td>%s</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td>"
+        "<td>%+.4f</td><td>%.3f</td><td>%s / %s</td><td>%s</td><td>%s</td>"
+        "<td>%+.4f / %s / %s</td></tr>",
+        &r == chosen_row ? " class=\"chosen\"" : "", Escape(r.name),
+        Escape(r.label), Escape(r.granularity), QuantizedName(r.kv_only),
+        QScalesName(r), r.delta_nll, r.perplexity, Percent(r.attention_mean),
+        Percent(r.attention_worst), Percent(r.saturated, 4),
+        Percent(r.subnormal, 3), r.delta_nll_ones,
+        Percent(r.attention_ones_mean), Percent(r.saturated_ones, 4));
+  }
+  body += "</table></section>";
+}
+
+// The whole HTML document around `body`.
+std::string Document(const ReportInputs& in, const std::string& body) {
+  const Geometry* g = in.statistics ? &in.statistics->geometry() : nullptr;
   std::string source = Escape(in.source);
   if (g) {
     absl::StrAppendFormat(&source,
@@ -1087,7 +1126,7 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
                           g->num_key_value_heads, g->head_dim,
                           g->bins_per_octave, in.statistics->finite_values());
   }
-  report.html = absl::StrCat(
+  return absl::StrCat(
       "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
       "<title>",
       Escape(in.title),
@@ -1100,9 +1139,47 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
       ".note{color:#a33}</style></head><body><h1>",
       Escape(in.title), "</h1><p>", source, " &#8212; format ",
       FormatName(in.format), "</p>", body, "</body></html>\n");
-  report.summary = {{"recommendation", rec},
+}
+
+}  // namespace
+
+absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
+  if (!in.statistics && !in.scales) {
+    return absl::InvalidArgumentError(
+        "kvcal report needs a session (--server and --session) or a scales "
+        "file (--scales)");
+  }
+  KVCAL_ASSIGN_OR_RETURN(std::vector<EvaluationRow> evaluations,
+                         ParseEvaluations(in));
+  std::vector<std::string> skipped;
+  std::vector<Estimate> estimates;
+  if (in.statistics) {
+    estimates = EstimateObservers(*in.statistics, in.format, skipped);
+  }
+  const bool have_estimates =
+      in.statistics && in.statistics->geometry().has_histograms();
+  Recommendation rec =
+      !evaluations.empty() ? RecommendFromEvaluations(evaluations, in.format)
+      : have_estimates && !estimates.empty() ? RecommendFromEstimates(estimates)
+                                             : NoRecommendation(in);
+  rec.json["reason"] = rec.reason;
+
+  Page page;
+  RecommendationSection(rec, page);
+  ScalesSection(in, rec.json, estimates, page);
+  if (have_estimates) HistogramsSection(in, estimates, page);
+  OrderedJson estimates_json = OrderedJson::array();
+  if (in.statistics) {
+    estimates_json = EstimatesSection(in, estimates, skipped, page);
+  }
+  if (!evaluations.empty()) {
+    EvaluationSections(in, evaluations, rec.row, page);
+  }
+  Report report;
+  report.html = Document(in, page.body);
+  report.summary = {{"recommendation", rec.json},
                     {"estimates", estimates_json},
-                    {"figures", figures}};
+                    {"figures", page.figures}};
   return report;
 }
 
