@@ -467,39 +467,10 @@ std::string VllmMappedScaleName(absl::string_view method,
   return key;
 }
 
-VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
-                               const std::vector<VllmScaleTensor>& tensors,
-                               const VllmLoadOptions& options) {
-  VllmPrediction p;
-  const Json* qc = QuantizationConfigOf(config);
-  p.method = qc == nullptr ? "none" : StringMember(*qc, "quant_method");
-  if (p.method.empty()) p.method = "unknown";
-  const bool rocm = options.platform == VllmPlatform::kRocm;
-
-  MethodFacts facts;
-  if (p.method == "compressed-tensors") {
-    CheckCompressedTensors(*qc, options, facts, p);
-  } else if (absl::StartsWith(p.method, "modelopt")) {
-    CheckModelOpt(*qc, facts, p);
-  } else if (p.method == "quark") {
-    CheckQuark(*qc, facts, p);
-  } else if (p.method == "none") {
-    facts.cache_from_config = "auto";
-  } else {
-    p.modelled = false;
-    p.kv_cache_dtype = options.kv_cache_dtype;
-    p.notes.push_back(
-        absl::StrCat("kvcal does not model vLLM's '", p.method,
-                     "' loader: nothing about its scales is predicted"));
-    return p;
-  }
-  p.per_head = facts.strategy == "attn_head";
-  p.kv_cache_dtype = options.kv_cache_dtype == "auto" ? facts.cache_from_config
-                                                      : options.kv_cache_dtype;
-  const bool fp8_cache = absl::StartsWith(p.kv_cache_dtype, "fp8");
-
-  // Backends (v1/attention/backend.py validate_configuration: per-head scales
-  // need supports_per_head_quant_scales, which only FlashAttention 3+ has).
+// Which attention backends can run the scales (v1/attention/backend.py
+// validate_configuration: per-head scales need
+// supports_per_head_quant_scales, which only FlashAttention 3+ has).
+void PredictBackends(bool rocm, VllmPrediction& p) {
   if (p.per_head) {
     p.backends =
         "FLASH_ATTN with FlashAttention 3 or later only (Hopper and newer)";
@@ -516,8 +487,13 @@ VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
   } else {
     p.backends = "every FP8-capable attention backend";
   }
+}
 
-  // Which parameter each scale tensor loads into (kLoaderRule).
+// Which attention parameter each scale tensor loads into (kLoaderRule), by
+// (layer, role index); names that load nowhere are refusals or silent drops.
+std::map<std::pair<uint32_t, int>, Loaded> MapScaleTensors(
+    const std::vector<VllmScaleTensor>& tensors, const ModelGeometry& g,
+    const MethodFacts& facts, VllmPrediction& p) {
   std::map<std::pair<uint32_t, int>, Loaded> loaded;
   for (const VllmScaleTensor& t : tensors) {
     const std::string mapped = VllmMappedScaleName(p.method, t.name);
@@ -558,8 +534,198 @@ VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
           "_scale; the one read last wins"));
     }
   }
+  return loaded;
+}
 
-  bool warned_unused = false, warned_no_method = false, warned_rocm = false;
+// What is said once per prediction, not once per layer.
+struct Warned {
+  bool unused = false;
+  bool no_method = false;
+  bool rocm = false;
+};
+
+// compressed-tensors: scales are loaded as written, never checked
+// (kCtProcess).
+void PredictCompressedTensorsLayer(const std::string& where,
+                                   const std::array<const Loaded*, 3>& in,
+                                   const ModelGeometry& g, bool rocm,
+                                   Warned& warned, VllmPrediction& p,
+                                   std::array<VllmRoleOutcome, 3>& out) {
+  for (int r = 0; r < 3; ++r) {
+    const std::string what =
+        in[r] != nullptr ? in[r]->names.back()
+                         : absl::StrCat(where, kRoleLetters[r], "_scale");
+    const size_t n_params = p.per_head ? g.num_key_value_heads : 1;
+    std::vector<float> v;
+    if (in[r] == nullptr) {
+      v.assign(n_params, 1.0f);
+      out[r].fate = "missing: 1.0";
+      p.silent.push_back(absl::StrCat(
+          where, "has no ", kRoleLetters[r],
+          "_scale: vLLM keeps 1.0 without a warning (", kCtProcess, ")"));
+    } else if (p.per_head) {
+      v = LoadPerHead(*in[r], r, g, what, p);
+      out[r].fate = v.empty() ? "refused" : "used";
+    } else if (in[r]->values.size() != 1) {
+      p.refusals.push_back(absl::StrCat(
+          what, " has ", in[r]->values.size(),
+          " values but strategy 'tensor' makes a [1] parameter: "
+          "\"Attempted to load weight\" (model_loader/weight_utils.py "
+          "default_weight_loader)"));
+      out[r].fate = "refused";
+    } else {
+      v = in[r]->values;
+      out[r].fate = "used";
+    }
+    if (!v.empty() && in[r] != nullptr && !AllFinitePositive(v)) {
+      p.silent.push_back(absl::StrCat(
+          what, " holds ", FloatList(in[r]->values),
+          ": vLLM uses scales as they are, without checking they are "
+          "finite and > 0 (",
+          kCtProcess, ")"));
+    }
+    out[r].effective = v;
+  }
+  if (rocm && !warned.rocm) {
+    warned.rocm = true;
+    p.silent.push_back(absl::StrCat(
+        "ROCm fp8 (e4m3fnuz): compressed-tensors scales are used as "
+        "written, not doubled like the ModelOpt/Quark path; scales "
+        "calibrated for e4m3fn (qmax 448) then saturate values beyond "
+        "240/448 of the calibrated range (",
+        kCtProcess, ")"));
+  }
+}
+
+// ModelOpt / Quark: BaseKVCacheMethod (kBaseProcess).
+void PredictBaseKvCacheLayer(uint32_t layer, const std::string& where,
+                             const std::array<const Loaded*, 3>& in, bool rocm,
+                             Warned& warned, VllmPrediction& p,
+                             std::array<VllmRoleOutcome, 3>& out) {
+  std::array<float, 3> raw = {-1.0f, -1.0f, -1.0f};  // the -1 sentinel
+  bool refused = false;
+  for (int r = 0; r < 3; ++r) {
+    if (in[r] == nullptr) continue;
+    if (in[r]->values.size() != 1) {
+      p.refusals.push_back(
+          absl::StrCat(in[r]->names.back(), " has ", in[r]->values.size(),
+                       " values: \"KV-cache scale expects a scalar weight\" (",
+                       kBaseLoader, ")"));
+      refused = true;
+      continue;
+    }
+    raw[r] = in[r]->values[0];
+  }
+  if (refused) {
+    for (int r = 0; r < 3; ++r) out[r].fate = "refused";
+    return;
+  }
+  const float factor = rocm ? 2.0f : 1.0f;
+  float k = raw[1], v = raw[2];
+  if (k > 0 && v > 0) {
+    out[1].fate = out[2].fate = "used";
+    k *= factor;
+    v *= factor;
+  } else if (k < 0 && v < 0) {
+    k = v = 1.0f;
+    out[1].fate = out[2].fate = "missing: 1.0";
+    p.silent.push_back(absl::StrCat(
+        where,
+        "has no usable k_scale and v_scale: vLLM uses 1.0 for both (and "
+        "logs a warning) (",
+        kBaseProcess, ")"));
+  } else if (!(k > 0)) {
+    p.refusals.push_back(absl::StrCat(
+        where, "k_scale ", in[1] == nullptr ? "missing" : absl::StrCat(k),
+        " with v_scale ", in[2] == nullptr ? "missing" : absl::StrCat(v),
+        ": vLLM stops at start with an AssertionError (", kBaseProcess, ")"));
+    for (int r = 0; r < 3; ++r) out[r].fate = "refused";
+    return;
+  } else {
+    out[1].fate = "used";
+    out[2].fate = "missing: v := k";
+    p.silent.push_back(absl::StrCat(
+        where, "v_scale ", in[2] == nullptr ? "missing" : absl::StrCat(raw[2]),
+        ": vLLM silently uses max(k_scale, v_scale) = k_scale for both (",
+        kBaseProcess, ")"));
+    k = v = PyMax(k, v) * factor;
+  }
+  float q = raw[0];
+  if (q > 0) {
+    q *= factor;
+    out[0].fate = "used";
+  } else {
+    q = 1.0f;
+    out[0].fate = "missing: 1.0";
+    p.silent.push_back(absl::StrCat(
+        where, "q_scale ", in[0] == nullptr ? "missing" : absl::StrCat(raw[0]),
+        ": vLLM quantizes the query with 1.0 (its log says it falls back to "
+        "k_scale, the code then sets 1.0) (",
+        kBaseProcess, ")"));
+  }
+  for (int r = 1; r < 3; ++r) {
+    if (in[r] != nullptr && !std::isfinite(raw[r])) {
+      p.silent.push_back(absl::StrCat(in[r]->names.back(), " holds ", raw[r],
+                                      ": vLLM uses it as it is (", kBaseProcess,
+                                      ")"));
+    }
+  }
+  out[0].effective = {q};
+  out[1].effective = {k};
+  out[2].effective = {v};
+  if (layer == 0 && p.kv_cache_dtype == "fp8") {
+    p.notes.push_back(absl::StrCat(
+        "vLLM logs \"Using uncalibrated q_scale ... and/or prob_scale 1.0 "
+        "with fp8 attention\": the checkpoint has no prob_scale (the "
+        "softmax probabilities' scale, which kvcal does not calibrate), so "
+        "vLLM uses 1.0 for it (",
+        kBaseProcess, ")"));
+  }
+  if (rocm && !warned.rocm) {
+    warned.rocm = true;
+    p.notes.push_back(absl::StrCat(
+        "ROCm fp8 (e4m3fnuz): vLLM doubles every ", p.method,
+        " scale it loads, which is right for scales calibrated for e4m3fn "
+        "(",
+        kBaseProcess, ")"));
+  }
+}
+
+VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
+                               const std::vector<VllmScaleTensor>& tensors,
+                               const VllmLoadOptions& options) {
+  VllmPrediction p;
+  const Json* qc = QuantizationConfigOf(config);
+  p.method = qc == nullptr ? "none" : StringMember(*qc, "quant_method");
+  if (p.method.empty()) p.method = "unknown";
+  const bool rocm = options.platform == VllmPlatform::kRocm;
+
+  MethodFacts facts;
+  if (p.method == "compressed-tensors") {
+    CheckCompressedTensors(*qc, options, facts, p);
+  } else if (absl::StartsWith(p.method, "modelopt")) {
+    CheckModelOpt(*qc, facts, p);
+  } else if (p.method == "quark") {
+    CheckQuark(*qc, facts, p);
+  } else if (p.method == "none") {
+    facts.cache_from_config = "auto";
+  } else {
+    p.modelled = false;
+    p.kv_cache_dtype = options.kv_cache_dtype;
+    p.notes.push_back(
+        absl::StrCat("kvcal does not model vLLM's '", p.method,
+                     "' loader: nothing about its scales is predicted"));
+    return p;
+  }
+  p.per_head = facts.strategy == "attn_head";
+  p.kv_cache_dtype = options.kv_cache_dtype == "auto" ? facts.cache_from_config
+                                                      : options.kv_cache_dtype;
+  const bool fp8_cache = absl::StartsWith(p.kv_cache_dtype, "fp8");
+
+  PredictBackends(rocm, p);
+  const std::map<std::pair<uint32_t, int>, Loaded> loaded =
+      MapScaleTensors(tensors, g, facts, p);
+  Warned warned;
   for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
     std::array<VllmRoleOutcome, 3>& out = p.layers[layer];
     std::array<const Loaded*, 3> in{};
@@ -575,8 +741,8 @@ VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
       for (int r = 0; r < 3; ++r) {
         out[r].fate = absl::StrCat("unused: cache ", p.kv_cache_dtype);
       }
-      if (!warned_unused && !loaded.empty()) {
-        warned_unused = true;
+      if (!warned.unused && !loaded.empty()) {
+        warned.unused = true;
         p.silent.push_back(
             absl::StrCat("the KV cache is not fp8 (--kv-cache-dtype ",
                          options.kv_cache_dtype, " resolves to '",
@@ -592,8 +758,8 @@ VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
         out[r].fate = "missing: 1.0";
         out[r].effective = {1.0f};
       }
-      if (!warned_no_method) {
-        warned_no_method = true;
+      if (!warned.no_method) {
+        warned.no_method = true;
         p.silent.push_back(absl::StrCat(
             "no KV-cache quantization method for the attention layers: vLLM "
             "runs the fp8 cache with scale 1.0 everywhere "
@@ -603,143 +769,10 @@ VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
       continue;
     }
     if (!facts.base_method) {
-      // compressed-tensors: loaded as written, never checked (kCtProcess).
-      for (int r = 0; r < 3; ++r) {
-        const std::string what =
-            in[r] != nullptr ? in[r]->names.back()
-                             : absl::StrCat(where, kRoleLetters[r], "_scale");
-        const size_t n_params = p.per_head ? g.num_key_value_heads : 1;
-        std::vector<float> v;
-        if (in[r] == nullptr) {
-          v.assign(n_params, 1.0f);
-          out[r].fate = "missing: 1.0";
-          p.silent.push_back(absl::StrCat(
-              where, "has no ", kRoleLetters[r],
-              "_scale: vLLM keeps 1.0 without a warning (", kCtProcess, ")"));
-        } else if (p.per_head) {
-          v = LoadPerHead(*in[r], r, g, what, p);
-          out[r].fate = v.empty() ? "refused" : "used";
-        } else if (in[r]->values.size() != 1) {
-          p.refusals.push_back(absl::StrCat(
-              what, " has ", in[r]->values.size(),
-              " values but strategy 'tensor' makes a [1] parameter: "
-              "\"Attempted to load weight\" (model_loader/weight_utils.py "
-              "default_weight_loader)"));
-          out[r].fate = "refused";
-        } else {
-          v = in[r]->values;
-          out[r].fate = "used";
-        }
-        if (!v.empty() && in[r] != nullptr && !AllFinitePositive(v)) {
-          p.silent.push_back(absl::StrCat(
-              what, " holds ", FloatList(in[r]->values),
-              ": vLLM uses scales as they are, without checking they are "
-              "finite and > 0 (",
-              kCtProcess, ")"));
-        }
-        out[r].effective = v;
-      }
-      if (rocm && !warned_rocm) {
-        warned_rocm = true;
-        p.silent.push_back(absl::StrCat(
-            "ROCm fp8 (e4m3fnuz): compressed-tensors scales are used as "
-            "written, not doubled like the ModelOpt/Quark path; scales "
-            "calibrated for e4m3fn (qmax 448) then saturate values beyond "
-            "240/448 of the calibrated range (",
-            kCtProcess, ")"));
-      }
+      PredictCompressedTensorsLayer(where, in, g, rocm, warned, p, out);
       continue;
     }
-    // ModelOpt / Quark: BaseKVCacheMethod (kBaseProcess).
-    std::array<float, 3> raw = {-1.0f, -1.0f, -1.0f};  // the -1 sentinel
-    bool refused = false;
-    for (int r = 0; r < 3; ++r) {
-      if (in[r] == nullptr) continue;
-      if (in[r]->values.size() != 1) {
-        p.refusals.push_back(absl::StrCat(
-            in[r]->names.back(), " has ", in[r]->values.size(),
-            " values: \"KV-cache scale expects a scalar weight\" (",
-            kBaseLoader, ")"));
-        refused = true;
-        continue;
-      }
-      raw[r] = in[r]->values[0];
-    }
-    if (refused) {
-      for (int r = 0; r < 3; ++r) out[r].fate = "refused";
-      continue;
-    }
-    const float factor = rocm ? 2.0f : 1.0f;
-    float k = raw[1], v = raw[2];
-    if (k > 0 && v > 0) {
-      out[1].fate = out[2].fate = "used";
-      k *= factor;
-      v *= factor;
-    } else if (k < 0 && v < 0) {
-      k = v = 1.0f;
-      out[1].fate = out[2].fate = "missing: 1.0";
-      p.silent.push_back(absl::StrCat(
-          where,
-          "has no usable k_scale and v_scale: vLLM uses 1.0 for both (and "
-          "logs a warning) (",
-          kBaseProcess, ")"));
-    } else if (!(k > 0)) {
-      p.refusals.push_back(absl::StrCat(
-          where, "k_scale ", in[1] == nullptr ? "missing" : absl::StrCat(k),
-          " with v_scale ", in[2] == nullptr ? "missing" : absl::StrCat(v),
-          ": vLLM stops at start with an AssertionError (", kBaseProcess, ")"));
-      for (int r = 0; r < 3; ++r) out[r].fate = "refused";
-      continue;
-    } else {
-      out[1].fate = "used";
-      out[2].fate = "missing: v := k";
-      p.silent.push_back(absl::StrCat(
-          where, "v_scale ",
-          in[2] == nullptr ? "missing" : absl::StrCat(raw[2]),
-          ": vLLM silently uses max(k_scale, v_scale) = k_scale for both (",
-          kBaseProcess, ")"));
-      k = v = PyMax(k, v) * factor;
-    }
-    float q = raw[0];
-    if (q > 0) {
-      q *= factor;
-      out[0].fate = "used";
-    } else {
-      q = 1.0f;
-      out[0].fate = "missing: 1.0";
-      p.silent.push_back(absl::StrCat(
-          where, "q_scale ",
-          in[0] == nullptr ? "missing" : absl::StrCat(raw[0]),
-          ": vLLM quantizes the query with 1.0 (its log says it falls back to "
-          "k_scale, the code then sets 1.0) (",
-          kBaseProcess, ")"));
-    }
-    for (int r = 1; r < 3; ++r) {
-      if (in[r] != nullptr && !std::isfinite(raw[r])) {
-        p.silent.push_back(absl::StrCat(in[r]->names.back(), " holds ", raw[r],
-                                        ": vLLM uses it as it is (",
-                                        kBaseProcess, ")"));
-      }
-    }
-    out[0].effective = {q};
-    out[1].effective = {k};
-    out[2].effective = {v};
-    if (layer == 0 && p.kv_cache_dtype == "fp8") {
-      p.notes.push_back(absl::StrCat(
-          "vLLM logs \"Using uncalibrated q_scale ... and/or prob_scale 1.0 "
-          "with fp8 attention\": the checkpoint has no prob_scale (the "
-          "softmax probabilities' scale, which kvcal does not calibrate), so "
-          "vLLM uses 1.0 for it (",
-          kBaseProcess, ")"));
-    }
-    if (rocm && !warned_rocm) {
-      warned_rocm = true;
-      p.notes.push_back(absl::StrCat(
-          "ROCm fp8 (e4m3fnuz): vLLM doubles every ", p.method,
-          " scale it loads, which is right for scales calibrated for e4m3fn "
-          "(",
-          kBaseProcess, ")"));
-    }
+    PredictBaseKvCacheLayer(layer, where, in, rocm, warned, p, out);
   }
   return p;
 }
