@@ -11,6 +11,23 @@
 namespace kvcal {
 namespace {
 
+// q holds tokens x heads x head_dim values, k and v tokens x kv heads x
+// head_dim.
+absl::Status CheckInputSizes(const AttentionInputs& in) {
+  const size_t q_size =
+      size_t{in.tokens} * in.num_attention_heads * in.head_dim;
+  const size_t kv_size =
+      size_t{in.tokens} * in.num_key_value_heads * in.head_dim;
+  if (in.q.size() != q_size || in.k.size() != kv_size ||
+      in.v.size() != kv_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention inputs of ", in.tokens, " tokens need q ",
+                     q_size, " and k, v ", kv_size, " values; got q ",
+                     in.q.size(), ", k ", in.k.size(), ", v ", in.v.size()));
+  }
+  return absl::OkStatus();
+}
+
 // Causal attention of one query head over its KV head, float32 as torch's
 // eager attention computes it (scores, max-subtracted softmax, P·V).
 // q: [tokens, q_stride] at column offset q_col; k, v likewise. Writes
@@ -183,15 +200,7 @@ absl::Status AccumulateFp8AttentionError(const AttentionInputs& in,
         "them and head_dim >= 1; got ",
         heads, " heads, ", kv, " kv heads, head_dim ", in.head_dim));
   }
-  const size_t q_size = size_t{in.tokens} * heads * in.head_dim;
-  const size_t kv_size = size_t{in.tokens} * kv * in.head_dim;
-  if (in.q.size() != q_size || in.k.size() != kv_size ||
-      in.v.size() != kv_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attention inputs of ", in.tokens, " tokens need q ",
-                     q_size, " and k, v ", kv_size, " values; got q ",
-                     in.q.size(), ", k ", in.k.size(), ", v ", in.v.size()));
-  }
+  KVCAL_RETURN_IF_ERROR(CheckInputSizes(in));
   if (sums->error_sq.size() != heads ||
       sums->roles[RoleIndex(Role::kK)].values.size() != kv) {
     return absl::InvalidArgumentError(
@@ -268,17 +277,7 @@ absl::StatusOr<std::vector<float>> Fp8AttentionOutput(
     const AttentionInputs& in, const HeadScales& scales,
     const Fp8AttentionOptions& options) {
   KVCAL_RETURN_IF_ERROR(ValidateFp8Attention(in, scales, options));
-  const size_t q_size =
-      size_t{in.tokens} * in.num_attention_heads * in.head_dim;
-  const size_t kv_size =
-      size_t{in.tokens} * in.num_key_value_heads * in.head_dim;
-  if (in.q.size() != q_size || in.k.size() != kv_size ||
-      in.v.size() != kv_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attention inputs of ", in.tokens, " tokens need q ",
-                     q_size, " and k, v ", kv_size, " values; got q ",
-                     in.q.size(), ", k ", in.k.size(), ", v ", in.v.size()));
-  }
+  KVCAL_RETURN_IF_ERROR(CheckInputSizes(in));
   const uint32_t heads = in.num_attention_heads, kv = in.num_key_value_heads;
   const float softmax_scale =
       options.softmax_scale > 0.0f
@@ -298,7 +297,7 @@ absl::StatusOr<std::vector<float>> Fp8AttentionOutput(
   const uint32_t group = heads / kv;
   std::vector<float> scores(in.tokens);
   std::vector<float> head(size_t{in.tokens} * in.head_dim);
-  std::vector<float> out(q_size);
+  std::vector<float> out(in.q.size());
   for (uint32_t h = 0; h < heads; ++h) {
     const size_t kv_col = size_t{h / group} * in.head_dim;
     CausalHeadAttention(q_fp8 + size_t{h} * in.head_dim,
