@@ -26,20 +26,8 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
 
-}  // namespace
-
-absl::StatusOr<InspectReport> InspectCheckpoint(
-    const std::string& dir_name, const VllmLoadOptions& vllm,
-    const std::function<void(uint64_t, uint64_t, uint64_t)>& on_shard) {
-  const fs::path dir(dir_name);
-  InspectReport report;
-  report.checkpoint_dir = dir_name;
-  std::error_code ec;
-  if (fs::exists(dir / kPatchStagingDir, ec)) {
-    report.errors.push_back(
-        absl::StrCat("an interrupted kvcal patch left ", kPatchStagingDir,
-                     "/; run `kvcal patch` again to complete or discard it"));
-  }
+// config.json, with its quant_method and kv_cache_scheme strategy noted.
+absl::StatusOr<Json> ReadConfig(const fs::path& dir, InspectReport& report) {
   KVCAL_ASSIGN_OR_RETURN(std::string config_text,
                          ReadSmallFile((dir / "config.json").string()));
   Json config = Json::parse(config_text, nullptr, false);
@@ -47,8 +35,6 @@ absl::StatusOr<InspectReport> InspectCheckpoint(
     return absl::InvalidArgumentError(
         absl::StrCat((dir / "config.json").string(), ": not valid JSON"));
   }
-  KVCAL_ASSIGN_OR_RETURN(ModelGeometry g, ModelGeometryFromConfig(config));
-  std::optional<Json> scheme;
   if (config.contains("quantization_config") &&
       config["quantization_config"].is_object()) {
     const Json& q = config["quantization_config"];
@@ -56,102 +42,106 @@ absl::StatusOr<InspectReport> InspectCheckpoint(
       report.quant_method = q["quant_method"].get<std::string>();
     }
     if (q.contains("kv_cache_scheme") && q["kv_cache_scheme"].is_object()) {
-      scheme = q["kv_cache_scheme"];
-      if (scheme->contains("strategy") && (*scheme)["strategy"].is_string()) {
-        report.strategy = (*scheme)["strategy"].get<std::string>();
+      const Json& scheme = q["kv_cache_scheme"];
+      if (scheme.contains("strategy") && scheme["strategy"].is_string()) {
+        report.strategy = scheme["strategy"].get<std::string>();
       }
     }
   }
+  return config;
+}
 
-  // Which files to read: the index's, or the single file.
-  std::map<std::string, std::vector<std::string>> index_files;
+// The tensor files to read (the index's in first-appearance order, or the
+// single file) and the tensor names the index puts in each.
+struct TensorFiles {
   std::vector<std::string> files;
+  std::map<std::string, std::vector<std::string>> listed;
+};
+
+absl::StatusOr<TensorFiles> ListTensorFiles(const fs::path& dir,
+                                            InspectReport& report) {
+  TensorFiles out;
+  std::error_code ec;
   const fs::path index_path = dir / kIndexName;
   report.sharded = fs::exists(index_path, ec);
-  if (report.sharded) {
-    KVCAL_ASSIGN_OR_RETURN(std::string text,
-                           ReadSmallFile(index_path.string()));
-    Json index = Json::parse(text, nullptr, false);
-    if (index.is_discarded() || !index.contains("weight_map") ||
-        !index["weight_map"].is_object()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(index_path.string(), ": no weight_map"));
+  if (!report.sharded) {
+    if (!fs::exists(dir / "model.safetensors", ec)) {
+      return absl::NotFoundError(absl::StrCat(
+          dir.string(), " has neither ", kIndexName, " nor model.safetensors"));
     }
-    for (const auto& [name, file] : index["weight_map"].items()) {
-      const std::string f = file.is_string() ? file.get<std::string>() : "";
-      if (absl::Status s = CheckShardFileName(f); !s.ok()) {
-        // Never opened: it would be a file outside the checkpoint.
-        report.errors.push_back(absl::StrCat(kIndexName, ": weight_map entry '",
-                                             name, "': ", s.message()));
-        continue;
-      }
-      if (!index_files.count(f)) files.push_back(f);
-      index_files[f].push_back(name);
-    }
-    for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-      const std::string f = e.path().filename().string();
-      if (f.ends_with(".safetensors") && !index_files.count(f)) {
-        report.warnings.push_back(absl::StrCat(
-            f, " is not in the index: vLLM and Transformers skip it"));
-      }
-    }
-  } else if (fs::exists(dir / "model.safetensors", ec)) {
-    files.push_back("model.safetensors");
-  } else {
-    return absl::NotFoundError(absl::StrCat(
-        dir_name, " has neither ", kIndexName, " nor model.safetensors"));
+    out.files.push_back("model.safetensors");
+    return out;
   }
-
-  std::map<uint32_t, InspectedLayer> layers;
-  std::vector<VllmScaleTensor> scale_tensors;
-  uint64_t files_done = 0;
-  uint64_t bytes_done = 0;
-  for (const std::string& f : files) {
-    auto file = SafetensorsFile::Open((dir / f).string());
-    ++files_done;
-    if (!file.ok()) {
-      report.errors.push_back(std::string(file.status().message()));
-      if (on_shard) on_shard(files_done, files.size(), bytes_done);
+  KVCAL_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path.string()));
+  Json index = Json::parse(text, nullptr, false);
+  if (index.is_discarded() || !index.contains("weight_map") ||
+      !index["weight_map"].is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(index_path.string(), ": no weight_map"));
+  }
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    const std::string f = file.is_string() ? file.get<std::string>() : "";
+    if (absl::Status s = CheckShardFileName(f); !s.ok()) {
+      // Never opened: it would be a file outside the checkpoint.
+      report.errors.push_back(absl::StrCat(kIndexName, ": weight_map entry '",
+                                           name, "': ", s.message()));
       continue;
     }
-    bytes_done += file->file_size();
-    if (on_shard) on_shard(files_done, files.size(), bytes_done);
-    for (const std::string& name : index_files[f]) {
-      if (file->Find(name) == nullptr) {
-        report.errors.push_back(absl::StrCat("the index puts '", name, "' in ",
-                                             f, ", which does not hold it"));
-      }
-    }
-    report.tensor_count += file->tensors().size();
-    for (const TensorInfo& t : file->tensors()) {
-      if (IsVllmScaleName(t.name)) {
-        scale_tensors.push_back(
-            {t.name, t.shape,
-             file->ReadFloats(t).value_or(std::vector<float>{})});
-      }
-      std::optional<CheckpointScale> parsed = ParseCheckpointScaleName(t.name);
-      if (!parsed) continue;
-      InspectedLayer& layer = layers[parsed->layer];
-      layer.layer = parsed->layer;
-      InspectedScale& scale = layer.roles[RoleIndex(parsed->role)];
-      scale.tensor = t.name;
-      scale.file = f;
-      scale.shape = t.shape;
-      std::optional<std::vector<float>> values = file->ReadFloats(t);
-      if (!values) {
-        report.errors.push_back(absl::StrCat(t.name, " has dtype ", t.dtype,
-                                             "; scales must be F32/F16/BF16"));
-        continue;
-      }
-      scale.values = *std::move(values);
+    if (!out.listed.count(f)) out.files.push_back(f);
+    out.listed[f].push_back(name);
+  }
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string f = e.path().filename().string();
+    if (f.ends_with(".safetensors") && !out.listed.count(f)) {
+      report.warnings.push_back(absl::StrCat(
+          f, " is not in the index: vLLM and Transformers skip it"));
     }
   }
-  if (layers.empty()) {
-    report.errors.push_back(
-        "no q/k/v scales found: vLLM would use 1.0 for every scale");
-  }
+  return out;
+}
 
-  // What vLLM itself will do with them.
+// One tensor file's part: the index's claims checked, its scale tensors
+// collected (every name vLLM treats as a scale, and the q/k/v scales by
+// layer).
+void InspectTensorFile(const std::string& f, const SafetensorsFile& file,
+                       const std::vector<std::string>& listed,
+                       std::map<uint32_t, InspectedLayer>& layers,
+                       std::vector<VllmScaleTensor>& scale_tensors,
+                       InspectReport& report) {
+  for (const std::string& name : listed) {
+    if (file.Find(name) == nullptr) {
+      report.errors.push_back(absl::StrCat("the index puts '", name, "' in ", f,
+                                           ", which does not hold it"));
+    }
+  }
+  report.tensor_count += file.tensors().size();
+  for (const TensorInfo& t : file.tensors()) {
+    if (IsVllmScaleName(t.name)) {
+      scale_tensors.push_back(
+          {t.name, t.shape, file.ReadFloats(t).value_or(std::vector<float>{})});
+    }
+    std::optional<CheckpointScale> parsed = ParseCheckpointScaleName(t.name);
+    if (!parsed) continue;
+    InspectedLayer& layer = layers[parsed->layer];
+    layer.layer = parsed->layer;
+    InspectedScale& scale = layer.roles[RoleIndex(parsed->role)];
+    scale.tensor = t.name;
+    scale.file = f;
+    scale.shape = t.shape;
+    std::optional<std::vector<float>> values = file.ReadFloats(t);
+    if (!values) {
+      report.errors.push_back(absl::StrCat(t.name, " has dtype ", t.dtype,
+                                           "; scales must be F32/F16/BF16"));
+      continue;
+    }
+    scale.values = *std::move(values);
+  }
+}
+
+// What vLLM itself will do with the scales, as errors and warnings.
+void AddVllmPrediction(const Json& config, const ModelGeometry& g,
+                       const std::vector<VllmScaleTensor>& scale_tensors,
+                       const VllmLoadOptions& vllm, InspectReport& report) {
   report.vllm_options = vllm;
   report.vllm = PredictVllmLoad(config, g, scale_tensors, vllm);
   if (!report.vllm.modelled) {
@@ -168,6 +158,47 @@ absl::StatusOr<InspectReport> InspectCheckpoint(
     report.errors.push_back(absl::StrCat("vLLM ", kVllmVersion, ": ", r));
   }
   for (const std::string& n : report.vllm.notes) report.warnings.push_back(n);
+}
+
+}  // namespace
+
+absl::StatusOr<InspectReport> InspectCheckpoint(
+    const std::string& dir_name, const VllmLoadOptions& vllm,
+    const std::function<void(uint64_t, uint64_t, uint64_t)>& on_shard) {
+  const fs::path dir(dir_name);
+  InspectReport report;
+  report.checkpoint_dir = dir_name;
+  std::error_code ec;
+  if (fs::exists(dir / kPatchStagingDir, ec)) {
+    report.errors.push_back(
+        absl::StrCat("an interrupted kvcal patch left ", kPatchStagingDir,
+                     "/; run `kvcal patch` again to complete or discard it"));
+  }
+  KVCAL_ASSIGN_OR_RETURN(Json config, ReadConfig(dir, report));
+  KVCAL_ASSIGN_OR_RETURN(ModelGeometry g, ModelGeometryFromConfig(config));
+  KVCAL_ASSIGN_OR_RETURN(TensorFiles files, ListTensorFiles(dir, report));
+
+  std::map<uint32_t, InspectedLayer> layers;
+  std::vector<VllmScaleTensor> scale_tensors;
+  uint64_t files_done = 0;
+  uint64_t bytes_done = 0;
+  for (const std::string& f : files.files) {
+    auto file = SafetensorsFile::Open((dir / f).string());
+    ++files_done;
+    if (file.ok()) {
+      bytes_done += file->file_size();
+    } else {
+      report.errors.push_back(std::string(file.status().message()));
+    }
+    if (on_shard) on_shard(files_done, files.files.size(), bytes_done);
+    if (!file.ok()) continue;
+    InspectTensorFile(f, *file, files.listed[f], layers, scale_tensors, report);
+  }
+  if (layers.empty()) {
+    report.errors.push_back(
+        "no q/k/v scales found: vLLM would use 1.0 for every scale");
+  }
+  AddVllmPrediction(config, g, scale_tensors, vllm, report);
   for (auto& [l, layer] : layers) report.layers.push_back(layer);
   return report;
 }
