@@ -209,17 +209,12 @@ std::string SessionStatistics::Serialize() const {
   return std::move(w.str());
 }
 
-absl::StatusOr<SessionStatistics> SessionStatistics::Deserialize(
-    absl::string_view bytes) {
-  if (bytes.size() < sizeof(uint64_t) + 8 * sizeof(uint32_t)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "statistics state is truncated: ", bytes.size(), " bytes"));
-  }
-  const absl::string_view body = bytes.substr(0, bytes.size() - 8);
-  uint64_t checksum;
-  std::memcpy(&checksum, bytes.data() + body.size(), sizeof(checksum));
-  Reader r(body);
-  uint32_t magic, version;
+namespace {
+
+// The state's magic, version and checksum, then its geometry (validated).
+absl::StatusOr<Geometry> ReadStateHeader(Reader& r, absl::string_view body,
+                                         uint64_t checksum) {
+  uint32_t magic = 0, version = 0;
   KVCAL_RETURN_IF_ERROR(r.Get(&magic, "magic"));
   KVCAL_RETURN_IF_ERROR(r.Get(&version, "version"));
   if (magic != kMagic) {
@@ -246,6 +241,119 @@ absl::StatusOr<SessionStatistics> SessionStatistics::Deserialize(
     return absl::InvalidArgumentError(
         absl::StrCat("statistics state has invalid geometry: ", s.message()));
   }
+  return g;
+}
+
+// One head's counts, extrema and sums, checked against each other.
+absl::Status ReadHeadScalars(Reader& r, HeadStatistics& h) {
+  KVCAL_RETURN_IF_ERROR(r.Get(&h.min, "min"));
+  KVCAL_RETURN_IF_ERROR(r.Get(&h.max, "max"));
+  KVCAL_RETURN_IF_ERROR(r.Get(&h.finite_count, "finite count"));
+  KVCAL_RETURN_IF_ERROR(r.Get(&h.nan_count, "nan count"));
+  KVCAL_RETURN_IF_ERROR(r.Get(&h.inf_count, "inf count"));
+  KVCAL_RETURN_IF_ERROR(r.Get(&h.sum, "sum"));
+  KVCAL_RETURN_IF_ERROR(r.Get(&h.sum_squares, "sum of squares"));
+  // Sums of finite floats stay finite in double (|x|^2 < 2^256 per value),
+  // and no sum of squares is negative; anything else was not written here.
+  if (!std::isfinite(h.sum) || !std::isfinite(h.sum_squares) ||
+      h.sum_squares < 0.0 ||
+      (h.finite_count == 0 && (h.sum != 0.0 || h.sum_squares != 0.0))) {
+    return Corrupt(r.pos(), "sums not finite or inconsistent with the count");
+  }
+  if (h.finite_count > 0) {
+    if (IsNonFinite(h.min) || IsNonFinite(h.max) || h.min > h.max) {
+      return Corrupt(r.pos(), "min/max inconsistent with a finite count");
+    }
+  } else if (!(h.min == std::numeric_limits<float>::infinity() &&
+               h.max == -std::numeric_limits<float>::infinity())) {
+    return Corrupt(r.pos(), "min/max set on a head without values");
+  }
+  return absl::OkStatus();
+}
+
+// One head's sparse histogram (ascending non-empty bins summing to the
+// finite count) and its tail (descending, as long as the count allows).
+absl::Status ReadHeadHistogram(Reader& r, uint32_t bins, HeadStatistics& h) {
+  uint32_t used = 0;
+  KVCAL_RETURN_IF_ERROR(r.Get(&used, "histogram size"));
+  if (used > bins) return Corrupt(r.pos(), "too many histogram bins");
+  uint64_t total = 0;
+  int64_t previous = -1;
+  for (uint32_t i = 0; i < used; ++i) {
+    uint32_t bin = 0;
+    uint64_t count = 0;
+    KVCAL_RETURN_IF_ERROR(r.Get(&bin, "histogram bin"));
+    KVCAL_RETURN_IF_ERROR(r.Get(&count, "histogram count"));
+    if (bin >= bins || static_cast<int64_t>(bin) <= previous || count == 0) {
+      return Corrupt(r.pos(), "histogram bins out of order or empty");
+    }
+    previous = bin;
+    h.histogram[bin] = count;
+    if (__builtin_add_overflow(total, count, &total)) {
+      return Corrupt(r.pos(), "histogram counts overflow");
+    }
+  }
+  if (total != h.finite_count) {
+    return Corrupt(r.pos(), "histogram total differs from finite count");
+  }
+  uint32_t tail_size = 0;
+  KVCAL_RETURN_IF_ERROR(r.Get(&tail_size, "tail size"));
+  if (tail_size > kTailCapacity || tail_size > h.finite_count ||
+      tail_size < std::min<uint64_t>(h.finite_count, kTailCapacity)) {
+    return Corrupt(r.pos(), "tail size inconsistent with finite count");
+  }
+  h.tail.resize(tail_size);
+  for (uint32_t i = 0; i < tail_size; ++i) {
+    KVCAL_RETURN_IF_ERROR(r.Get(&h.tail[i], "tail value"));
+    if (!(h.tail[i] >= 0.0f) || IsNonFinite(h.tail[i]) ||
+        (i > 0 && h.tail[i] > h.tail[i - 1])) {
+      return Corrupt(r.pos(), "tail values not finite, >= 0, descending");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One head's per-batch extrema: ascending batches within the head's range.
+absl::Status ReadHeadBatches(Reader& r, HeadStatistics& h) {
+  uint32_t num_batches = 0;
+  KVCAL_RETURN_IF_ERROR(r.Get(&num_batches, "batch count"));
+  if (num_batches > r.remaining() / 16 || num_batches > h.finite_count) {
+    return Corrupt(r.pos(), "batch count exceeds the state");
+  }
+  int64_t previous_batch_seen = 0;
+  uint64_t previous_batch = 0;
+  for (uint32_t i = 0; i < num_batches; ++i) {
+    uint64_t batch = 0;
+    MinMax extrema;
+    KVCAL_RETURN_IF_ERROR(r.Get(&batch, "batch number"));
+    KVCAL_RETURN_IF_ERROR(r.Get(&extrema.min, "batch min"));
+    KVCAL_RETURN_IF_ERROR(r.Get(&extrema.max, "batch max"));
+    if ((previous_batch_seen && batch <= previous_batch) ||
+        IsNonFinite(extrema.min) || IsNonFinite(extrema.max) ||
+        extrema.min > extrema.max || extrema.min < h.min ||
+        extrema.max > h.max) {
+      return Corrupt(r.pos(), "batch extrema out of order or range");
+    }
+    previous_batch_seen = 1;
+    previous_batch = batch;
+    h.batches.emplace_hint(h.batches.end(), batch, extrema);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<SessionStatistics> SessionStatistics::Deserialize(
+    absl::string_view bytes) {
+  if (bytes.size() < sizeof(uint64_t) + 8 * sizeof(uint32_t)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "statistics state is truncated: ", bytes.size(), " bytes"));
+  }
+  const absl::string_view body = bytes.substr(0, bytes.size() - 8);
+  uint64_t checksum;
+  std::memcpy(&checksum, bytes.data() + body.size(), sizeof(checksum));
+  Reader r(body);
+  KVCAL_ASSIGN_OR_RETURN(const Geometry g, ReadStateHeader(r, body, checksum));
   // Every head needs at least its fixed fields: reject absurd geometries
   // before allocating for them.
   constexpr size_t kFixedHeadBytes = 4 + 4 + 8 * 3 + 8 * 2 + 4;
@@ -255,90 +363,10 @@ absl::StatusOr<SessionStatistics> SessionStatistics::Deserialize(
   SessionStatistics stats(g);
   const uint32_t bins = g.histogram_bins();
   for (HeadStatistics& h : stats.heads_) {
-    KVCAL_RETURN_IF_ERROR(r.Get(&h.min, "min"));
-    KVCAL_RETURN_IF_ERROR(r.Get(&h.max, "max"));
-    KVCAL_RETURN_IF_ERROR(r.Get(&h.finite_count, "finite count"));
-    KVCAL_RETURN_IF_ERROR(r.Get(&h.nan_count, "nan count"));
-    KVCAL_RETURN_IF_ERROR(r.Get(&h.inf_count, "inf count"));
-    KVCAL_RETURN_IF_ERROR(r.Get(&h.sum, "sum"));
-    KVCAL_RETURN_IF_ERROR(r.Get(&h.sum_squares, "sum of squares"));
-    // Sums of finite floats stay finite in double (|x|^2 < 2^256 per value),
-    // and no sum of squares is negative; anything else was not written here.
-    if (!std::isfinite(h.sum) || !std::isfinite(h.sum_squares) ||
-        h.sum_squares < 0.0 ||
-        (h.finite_count == 0 && (h.sum != 0.0 || h.sum_squares != 0.0))) {
-      return Corrupt(r.pos(), "sums not finite or inconsistent with the count");
-    }
-    if (h.finite_count > 0) {
-      if (IsNonFinite(h.min) || IsNonFinite(h.max) || h.min > h.max) {
-        return Corrupt(r.pos(), "min/max inconsistent with a finite count");
-      }
-    } else if (!(h.min == std::numeric_limits<float>::infinity() &&
-                 h.max == -std::numeric_limits<float>::infinity())) {
-      return Corrupt(r.pos(), "min/max set on a head without values");
-    }
-    if (g.has_histograms()) {
-      uint32_t used;
-      KVCAL_RETURN_IF_ERROR(r.Get(&used, "histogram size"));
-      if (used > bins) return Corrupt(r.pos(), "too many histogram bins");
-      uint64_t total = 0;
-      int64_t previous = -1;
-      for (uint32_t i = 0; i < used; ++i) {
-        uint32_t bin;
-        uint64_t count;
-        KVCAL_RETURN_IF_ERROR(r.Get(&bin, "histogram bin"));
-        KVCAL_RETURN_IF_ERROR(r.Get(&count, "histogram count"));
-        if (bin >= bins || static_cast<int64_t>(bin) <= previous ||
-            count == 0) {
-          return Corrupt(r.pos(), "histogram bins out of order or empty");
-        }
-        previous = bin;
-        h.histogram[bin] = count;
-        if (__builtin_add_overflow(total, count, &total)) {
-          return Corrupt(r.pos(), "histogram counts overflow");
-        }
-      }
-      if (total != h.finite_count) {
-        return Corrupt(r.pos(), "histogram total differs from finite count");
-      }
-      uint32_t tail_size;
-      KVCAL_RETURN_IF_ERROR(r.Get(&tail_size, "tail size"));
-      if (tail_size > kTailCapacity || tail_size > h.finite_count ||
-          tail_size < std::min<uint64_t>(h.finite_count, kTailCapacity)) {
-        return Corrupt(r.pos(), "tail size inconsistent with finite count");
-      }
-      h.tail.resize(tail_size);
-      for (uint32_t i = 0; i < tail_size; ++i) {
-        KVCAL_RETURN_IF_ERROR(r.Get(&h.tail[i], "tail value"));
-        if (!(h.tail[i] >= 0.0f) || IsNonFinite(h.tail[i]) ||
-            (i > 0 && h.tail[i] > h.tail[i - 1])) {
-          return Corrupt(r.pos(), "tail values not finite, >= 0, descending");
-        }
-      }
-    }
-    uint32_t num_batches;
-    KVCAL_RETURN_IF_ERROR(r.Get(&num_batches, "batch count"));
-    if (num_batches > r.remaining() / 16 || num_batches > h.finite_count) {
-      return Corrupt(r.pos(), "batch count exceeds the state");
-    }
-    int64_t previous_batch_seen = 0;
-    uint64_t previous_batch = 0;
-    for (uint32_t i = 0; i < num_batches; ++i) {
-      uint64_t batch;
-      MinMax extrema;
-      KVCAL_RETURN_IF_ERROR(r.Get(&batch, "batch number"));
-      KVCAL_RETURN_IF_ERROR(r.Get(&extrema.min, "batch min"));
-      KVCAL_RETURN_IF_ERROR(r.Get(&extrema.max, "batch max"));
-      if ((previous_batch_seen && batch <= previous_batch) ||
-          IsNonFinite(extrema.min) || IsNonFinite(extrema.max) ||
-          extrema.min > extrema.max || extrema.min < h.min ||
-          extrema.max > h.max) {
-        return Corrupt(r.pos(), "batch extrema out of order or range");
-      }
-      previous_batch_seen = 1;
-      previous_batch = batch;
-      h.batches.emplace_hint(h.batches.end(), batch, extrema);
-    }
+    KVCAL_RETURN_IF_ERROR(ReadHeadScalars(r, h));
+    if (g.has_histograms())
+      KVCAL_RETURN_IF_ERROR(ReadHeadHistogram(r, bins, h));
+    KVCAL_RETURN_IF_ERROR(ReadHeadBatches(r, h));
   }
   if (r.remaining() != 0) {
     return Corrupt(r.pos(), "trailing bytes after the last head");
