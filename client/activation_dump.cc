@@ -87,16 +87,7 @@ absl::StatusOr<ActivationDump> ActivationDump::Open(const std::string& dir,
                 : "; needs [tokens, heads, head_dim]"));
       }
       if (geometry != nullptr) {
-        ChunkView view{.layer = d.layer,
-                       .role = d.role,
-                       .dtype = d.dtype,
-                       .layout = d.layout,
-                       .shape = d.shape,
-                       .head_offset = 0,
-                       .batch = d.batch,
-                       .data = d.data,
-                       .pieces = {}};
-        auto extent = ValidateChunk(*geometry, view);
+        auto extent = ValidateChunk(*geometry, d.View());
         if (!extent.ok()) {
           return absl::InvalidArgumentError(absl::StrCat(
               path, ": tensor '", t.name, "': ", extent.status().message()));

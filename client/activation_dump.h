@@ -36,6 +36,19 @@ struct DumpTensor {
   Layout layout = Layout::kTokensHeadsDim;
   std::vector<uint64_t> shape;
   absl::Span<const std::byte> data;
+
+  // The whole tensor as one chunk (all its heads, not owned).
+  ChunkView View() const {
+    return ChunkView{.layer = layer,
+                     .role = role,
+                     .dtype = dtype,
+                     .layout = layout,
+                     .shape = shape,
+                     .head_offset = 0,
+                     .batch = batch,
+                     .data = data,
+                     .pieces = {}};
+  }
 };
 
 class ActivationDump {

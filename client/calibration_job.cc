@@ -80,15 +80,7 @@ absl::StatusOr<PushSummary> PushDump(CalibrationClient& client,
   std::vector<ChunkView> chunks;
   uint64_t total_chunks = 0;
   for (const DumpTensor& t : dump.tensors()) {
-    chunks.push_back(ChunkView{.layer = t.layer,
-                               .role = t.role,
-                               .dtype = t.dtype,
-                               .layout = t.layout,
-                               .shape = t.shape,
-                               .head_offset = 0,
-                               .batch = t.batch,
-                               .data = t.data,
-                               .pieces = {}});
+    chunks.push_back(t.View());
     total_chunks += SplitChunk(chunks.back(), options.max_chunk_bytes,
                                options.holdout_batches.count(t.batch) > 0)
                         .size();
