@@ -80,6 +80,12 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
           ? options.executor_threads
           : std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
   service_options.max_inflight_bytes = options.max_inflight_bytes;
+  service_options.shared_memory.enabled = options.shared_memory;
+  service_options.shared_memory.max_regions_per_tenant =
+      options.shared_memory_max_regions_per_tenant;
+  service_options.shared_memory.max_bytes_per_tenant =
+      options.shared_memory_max_bytes_per_tenant;
+  service_options.shared_memory.host_id = ReadHostId();
   if (!options.auth_token_file.empty()) {
     KVCAL_ASSIGN_OR_RETURN(service_options.auth, TokenAuthenticator::FromFile(
                                                      options.auth_token_file));
