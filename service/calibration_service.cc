@@ -354,11 +354,7 @@ grpc::ServerUnaryReactor* CalibrationService::RegisterSharedMemory(
         if (!registration.ok()) return registration.status();
         absl::StatusOr<SharedMemoryRegionInfo> region =
             shared_memory_.Register(tenant, *registration);
-        if (!region.ok()) {
-          return absl::Status(region.status().code(),
-                              absl::StrCat("RegisterSharedMemory: ",
-                                           region.status().message()));
-        }
+        if (!region.ok()) return region.status();
         KVCAL_LOG(INFO) << "tenant '" << tenant
                         << "' registered shared memory region " << region->id
                         << " ('" << region->name << "', " << region->byte_size
@@ -374,12 +370,7 @@ grpc::ServerUnaryReactor* CalibrationService::UnregisterSharedMemory(
     pb::UnregisterSharedMemoryResponse* /*response*/) {
   return Unary(context, "UnregisterSharedMemory", /*offload=*/false,
                [this, request](const std::string& tenant) -> absl::Status {
-                 absl::Status s =
-                     shared_memory_.Unregister(tenant, request->region_id());
-                 if (s.ok()) return s;
-                 return absl::Status(
-                     s.code(),
-                     absl::StrCat("UnregisterSharedMemory: ", s.message()));
+                 return shared_memory_.Unregister(tenant, request->region_id());
                });
 }
 

@@ -182,10 +182,8 @@ absl::StatusOr<SharedMemoryRegionInfo> SharedMemoryRegistry::Register(
   if (!options_.enabled) {
     return absl::FailedPreconditionError(
         absl::StrCat("shared memory is disabled on this worker "
-                     "(--shared-memory=false): ",
-                     kNotOnProducerHost,
-                     " as far as chunks go; send them "
-                     "in-band"));
+                     "(--shared-memory=false): treat it as if ",
+                     kNotOnProducerHost, " and send chunks in-band"));
   }
   if (request.kind != SharedMemoryKind::kSystem &&
       request.kind != SharedMemoryKind::kCudaIpc) {
@@ -308,7 +306,7 @@ absl::StatusOr<SharedMemoryLease> SharedMemoryRegistry::Acquire(
     if (next != region->in_use.begin()) {
       auto prev = std::prev(next);
       if (prev->second > offset) {
-        return absl::InvalidArgumentError(absl::StrCat(
+        return absl::AbortedError(absl::StrCat(
             "shared memory reference [", offset, ", ", end, ") of ",
             RegionName(region->info), " overlaps [", prev->first, ", ",
             prev->second,

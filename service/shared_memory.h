@@ -139,7 +139,9 @@ class SharedMemoryRegistry {
 
   // Resolves a chunk reference: NotFound for an unknown region or another
   // tenant's; InvalidArgument for a range outside the region (computed
-  // without overflow) or overlapping a range another lease holds;
+  // without overflow); Aborted for a range overlapping one another lease
+  // holds (a concurrency conflict: nothing is applied, and the producer may
+  // resend from its watermark once the earlier chunk is answered);
   // FailedPrecondition for a CUDA-IPC region (device memory is not readable
   // by the host path) or a system object shrunk below its registered size.
   // Messages name the region and the range; callers prefix the chunk.
