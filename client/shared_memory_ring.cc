@@ -61,7 +61,7 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRing>> SharedMemoryRing::Create(
                      ring->byte_size_, " bytes: ", std::strerror(e)));
   }
   void* data = mmap(nullptr, ring->byte_size_, PROT_READ | PROT_WRITE,
-                    MAP_SHARED, ring->fd_, 0);
+                    MAP_SHARED | MAP_POPULATE, ring->fd_, 0);
   if (data == MAP_FAILED) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot map shared memory '", ring->name_,
