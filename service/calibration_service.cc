@@ -305,8 +305,9 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
   } else {
     chunk.pieces = data;
   }
-  absl::StatusOr<IngestOutcome> outcome = (*session)->Ingest(
-      producer, request.sequence(), chunk, request.holdout());
+  absl::StatusOr<IngestOutcome> outcome =
+      (*session)->Ingest(producer, request.sequence(), chunk, request.holdout(),
+                         /*device_data=*/lease.device());
   if (!outcome.ok()) return outcome.status();
   if (outcome->applied) {
     const uint64_t element_size = request.dtype() == pb::DTYPE_F32 ? 4 : 2;

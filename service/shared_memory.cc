@@ -21,7 +21,8 @@ namespace kvcal::service {
 struct SharedMemoryLease::Region {
   std::string tenant;
   SharedMemoryRegionInfo info;
-  std::unique_ptr<SystemMapping> mapping;  // kSystem
+  std::unique_ptr<SystemMapping> mapping;        // kSystem
+  std::unique_ptr<CudaIpcMemory> device_memory;  // kCudaIpc
   std::mutex mu;
   std::map<uint64_t, uint64_t>
       in_use;  // offset -> end, disjoint; guarded by mu
@@ -139,7 +140,8 @@ absl::Status SystemMapping::CheckStillMapped() const {
 SharedMemoryLease::SharedMemoryLease(SharedMemoryLease&& other) noexcept
     : region_(std::move(other.region_)),
       offset_(other.offset_),
-      bytes_(other.bytes_) {
+      bytes_(other.bytes_),
+      device_(other.device_) {
   other.region_.reset();
   other.bytes_ = {};
 }
@@ -151,6 +153,7 @@ SharedMemoryLease& SharedMemoryLease::operator=(
     region_ = std::move(other.region_);
     offset_ = other.offset_;
     bytes_ = other.bytes_;
+    device_ = other.device_;
     other.region_.reset();
     other.bytes_ = {};
   }
@@ -200,10 +203,23 @@ absl::StatusOr<SharedMemoryRegionInfo> SharedMemoryRegistry::Register(
         ") is not the worker's: ", kNotOnProducerHost));
   }
   if (request.kind == SharedMemoryKind::kCudaIpc) {
-    return absl::FailedPreconditionError(
-        "CUDA IPC shared memory needs a worker whose sessions use the CUDA "
-        "backend reading device memory, which this worker does not do; "
-        "register a SYSTEM region or send the chunks in-band");
+    if (request.device > 1024) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "CUDA device ", request.device, " is not a device ordinal"));
+    }
+    if (absl::Status s = ValidateCudaIpcRequest(
+            request.cuda_ipc_handle, static_cast<int>(request.device),
+            request.byte_size);
+        !s.ok()) {
+      return s;
+    }
+    if (!options_.open_cuda_ipc) {
+      return absl::FailedPreconditionError(
+          "CUDA IPC shared memory needs the CUDA backend, and this worker's "
+          "sessions use the CPU backend (--backend cpu, no CUDA device, or "
+          "a build without CUDA); register a SYSTEM region or send the "
+          "chunks in-band");
+    }
   }
   // Limits before the (slow, fallible) open; checked again when adding.
   auto check_limits = [&]() -> absl::Status {
@@ -234,14 +250,23 @@ absl::StatusOr<SharedMemoryRegionInfo> SharedMemoryRegistry::Register(
     std::lock_guard<std::mutex> lock(mu_);
     if (absl::Status s = check_limits(); !s.ok()) return s;
   }
-  auto mapping = SystemMapping::Open(request.name, request.byte_size);
-  if (!mapping.ok()) return mapping.status();
   auto region = std::make_shared<Region>();
   region->tenant = std::string(tenant);
   region->info.kind = request.kind;
-  region->info.name = request.name;
   region->info.byte_size = request.byte_size;
-  region->mapping = *std::move(mapping);
+  if (request.kind == SharedMemoryKind::kCudaIpc) {
+    auto memory = options_.open_cuda_ipc(request.cuda_ipc_handle,
+                                         static_cast<int>(request.device),
+                                         request.byte_size);
+    if (!memory.ok()) return memory.status();
+    region->info.device = request.device;
+    region->device_memory = *std::move(memory);
+  } else {
+    auto mapping = SystemMapping::Open(request.name, request.byte_size);
+    if (!mapping.ok()) return mapping.status();
+    region->info.name = request.name;
+    region->mapping = *std::move(mapping);
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (absl::Status s = check_limits(); !s.ok()) return s;
   region->info.id = next_id_++;
@@ -295,11 +320,11 @@ absl::StatusOr<SharedMemoryLease> SharedMemoryRegistry::Acquire(
         absl::StrCat("shared memory reference [", offset, ", ", offset, " + ",
                      byte_size, ") is outside ", RegionName(region->info)));
   }
-  if (region->mapping == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(RegionName(region->info), " is not readable by the host"));
+  if (region->mapping != nullptr) {
+    if (absl::Status s = region->mapping->CheckStillMapped(); !s.ok()) {
+      return s;
+    }
   }
-  if (absl::Status s = region->mapping->CheckStillMapped(); !s.ok()) return s;
   SharedMemoryLease lease;
   if (byte_size > 0) {
     std::lock_guard<std::mutex> lock(region->mu);
@@ -318,10 +343,14 @@ absl::StatusOr<SharedMemoryLease> SharedMemoryRegistry::Acquire(
     }
     region->in_use.emplace(offset, end);
   }
+  const std::byte* base = region->mapping != nullptr
+                              ? region->mapping->data()
+                              : region->device_memory->data();
+  lease.device_ = region->device_memory != nullptr;
   lease.region_ = std::move(region);
   lease.offset_ = offset;
-  lease.bytes_ = absl::MakeConstSpan(lease.region_->mapping->data() + offset,
-                                     static_cast<size_t>(byte_size));
+  lease.bytes_ =
+      absl::MakeConstSpan(base + offset, static_cast<size_t>(byte_size));
   return lease;
 }
 

@@ -24,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -33,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "kernels/cuda/cuda_ipc.h"
 
 namespace kvcal::service {
 
@@ -52,6 +54,11 @@ struct SharedMemoryOptions {
   bool enabled = true;
   // This host's /proc/sys/kernel/random/boot_id (empty: not compared).
   std::string host_id;
+  // Opens CUDA IPC memory (CudaIpcMemory::Open); set by a worker whose
+  // backend is CUDA. Null: CUDA_IPC regions are FailedPrecondition.
+  std::function<absl::StatusOr<std::unique_ptr<CudaIpcMemory>>(
+      absl::string_view handle, int device, uint64_t byte_size)>
+      open_cuda_ipc;
 };
 
 struct SharedMemoryRegistration {
@@ -115,7 +122,10 @@ class SharedMemoryLease {
   SharedMemoryLease& operator=(SharedMemoryLease&& other) noexcept;
   ~SharedMemoryLease();
 
+  // Host memory of the mapping, or, when device() is true, device memory
+  // of the region's CUDA device (a CUDA IPC region).
   absl::Span<const std::byte> bytes() const { return bytes_; }
+  bool device() const { return device_; }
 
  private:
   friend class SharedMemoryRegistry;
@@ -124,6 +134,7 @@ class SharedMemoryLease {
   std::shared_ptr<Region> region_;
   uint64_t offset_ = 0;
   absl::Span<const std::byte> bytes_;
+  bool device_ = false;
 };
 
 class SharedMemoryRegistry {
@@ -142,8 +153,8 @@ class SharedMemoryRegistry {
   // without overflow); Aborted for a range overlapping one another lease
   // holds (a concurrency conflict: nothing is applied, and the producer may
   // resend from its watermark once the earlier chunk is answered);
-  // FailedPrecondition for a CUDA-IPC region (device memory is not readable
-  // by the host path) or a system object shrunk below its registered size.
+  // FailedPrecondition for a system object shrunk below its registered
+  // size. A CUDA IPC region's lease holds device memory (device()).
   // Messages name the region and the range; callers prefix the chunk.
   absl::StatusOr<SharedMemoryLease> Acquire(absl::string_view tenant,
                                             uint64_t id, uint64_t offset,

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_ipc.h"
 #include "kernels/device_health.h"
 #include "service/log.h"
 #include "service/shard_map.h"
@@ -98,6 +99,10 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   KVCAL_ASSIGN_OR_RETURN(const BackendChoice choice,
                          ResolveBackend(options.backend, backend_options));
   worker->backend_name_ = choice.kind == BackendKind::kCuda ? "cuda" : "cpu";
+  if (choice.kind == BackendKind::kCuda) {
+    // CUDA IPC regions: chunks the CUDA backend reads in device memory.
+    service_options.shared_memory.open_cuda_ipc = CudaIpcMemory::Open;
+  }
   KVCAL_LOG(INFO) << "backend: " << choice.description;
 
   worker->worker_id_ = options.worker_id;

@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
+#include "service/calibration_service.h"
 #include "tests/service/rpc_helpers.h"
 #include "tests/service/worker_process.h"
 
@@ -24,6 +25,7 @@ namespace kvcal {
 namespace {
 
 namespace pb = ::kvcal::v1;
+using ::kvcal::CudaIpcMemory;
 using ::kvcal::service::SharedMemoryKind;
 using ::kvcal::service::SharedMemoryLease;
 using ::kvcal::service::SharedMemoryOptions;
@@ -156,21 +158,91 @@ TEST(SharedMemoryRegistryTest, NamesItCannotOpenMeanAnotherHost) {
   EXPECT_TRUE(registry.Register("a", other).ok());
 }
 
-TEST(SharedMemoryRegistryTest, DisabledAndCudaIpcAreFailedPrecondition) {
+TEST(SharedMemoryRegistryTest, DisabledIsFailedPrecondition) {
   ShmObject shm(64);
   SharedMemoryRegistry disabled(Options(0, 0, /*enabled=*/false));
   EXPECT_THAT(disabled.Register("a", System(shm.name(), 64)).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("--shared-memory=false")));
+  EXPECT_EQ(disabled.size(), 0u);
+}
+
+// Host memory standing in for an opened CUDA IPC allocation (no GPU here):
+// what the registry and the service do with a device region is checked
+// without one.
+class FakeCudaIpcMemory final : public CudaIpcMemory {
+ public:
+  FakeCudaIpcMemory(uint64_t size, int device)
+      : bytes_(size, std::byte{0}), device_(device) {}
+  const std::byte* data() const override { return bytes_.data(); }
+  uint64_t byte_size() const override { return bytes_.size(); }
+  int device() const override { return device_; }
+
+ private:
+  std::vector<std::byte> bytes_;
+  int device_;
+};
+
+SharedMemoryOptions WithFakeCudaIpc(int* opened) {
+  SharedMemoryOptions o = Options();
+  o.open_cuda_ipc = [opened](absl::string_view, int device, uint64_t size)
+      -> absl::StatusOr<std::unique_ptr<CudaIpcMemory>> {
+    ++*opened;
+    return std::make_unique<FakeCudaIpcMemory>(size, device);
+  };
+  return o;
+}
+
+SharedMemoryRegistration CudaIpc(size_t handle_bytes, uint64_t size,
+                                 uint32_t device = 0) {
+  SharedMemoryRegistration r;
+  r.kind = SharedMemoryKind::kCudaIpc;
+  r.cuda_ipc_handle = std::string(handle_bytes, '\1');
+  r.device = device;
+  r.byte_size = size;
+  return r;
+}
+
+TEST(SharedMemoryRegistryTest, CudaIpcNeedsTheCudaBackend) {
   SharedMemoryRegistry registry(Options());
-  SharedMemoryRegistration ipc;
-  ipc.kind = SharedMemoryKind::kCudaIpc;
-  ipc.cuda_ipc_handle = std::string(64, '\1');
-  ipc.byte_size = 64;
-  EXPECT_THAT(registry.Register("a", ipc).status(),
+  EXPECT_THAT(registry.Register("a", CudaIpc(64, 4096)).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("CUDA IPC shared memory needs")));
+                       HasSubstr("CUDA IPC shared memory needs the CUDA "
+                                 "backend")));
   EXPECT_EQ(registry.size(), 0u);
+}
+
+TEST(SharedMemoryRegistryTest, CudaIpcRequestsAreValidatedBeforeOpening) {
+  int opened = 0;
+  SharedMemoryRegistry registry(WithFakeCudaIpc(&opened));
+  EXPECT_THAT(registry.Register("a", CudaIpc(63, 4096)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("CUDA IPC handle is 63 bytes; a "
+                                 "cudaIpcMemHandle_t is 64")));
+  EXPECT_THAT(registry.Register("a", CudaIpc(64, 0)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("byte_size is 0")));
+  EXPECT_THAT(registry.Register("a", CudaIpc(64, 16, 5000)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("CUDA device 5000 is not a device ordinal")));
+  EXPECT_EQ(opened, 0);
+  auto region = registry.Register("a", CudaIpc(64, 4096, 1));
+  ASSERT_TRUE(region.ok()) << region.status();
+  EXPECT_EQ(opened, 1);
+  EXPECT_EQ(region->kind, SharedMemoryKind::kCudaIpc);
+  EXPECT_EQ(region->device, 1u);
+  // References into it are checked like any region and hold device memory.
+  auto lease = registry.Acquire("a", region->id, 4000, 96);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(lease->device());
+  EXPECT_EQ(lease->bytes().size(), 96u);
+  EXPECT_THAT(registry.Acquire("a", region->id, 4000, 97).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("is outside shared memory region")));
+  EXPECT_THAT(registry.Acquire("b", region->id, 0, 8).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("not found")));
+  EXPECT_THAT(registry.Acquire("a", region->id, 3990, 20).status(),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("overlaps")));
 }
 
 TEST(SharedMemoryRegistryTest, PerTenantLimits) {
@@ -584,6 +656,78 @@ TEST_F(SharedMemoryWorkerTest, HeldOutChunksAreCopiedBeforeTheAck) {
   ASSERT_TRUE(stub_->ExportState(&context, request, &state).ok());
   ASSERT_EQ(state.holdout_chunks_size(), 1);
   EXPECT_EQ(state.holdout_chunks(0).data(), original);
+}
+
+TEST_F(SharedMemoryWorkerTest, CudaIpcOnACpuWorkerIsFailedPrecondition) {
+  grpc::ClientContext context;
+  pb::RegisterSharedMemoryRequest request;
+  request.set_kind(pb::SHARED_MEMORY_KIND_CUDA_IPC);
+  request.set_cuda_ipc_handle(std::string(64, '\7'));
+  request.set_byte_size(1 << 20);
+  pb::SharedMemoryRegion region;
+  grpc::Status status = stub_->RegisterSharedMemory(&context, request, &region);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("needs the CUDA backend, and this worker's sessions "
+                        "use the CPU backend"));
+}
+
+// An in-process worker whose CUDA IPC opener hands out host memory: the
+// service routes chunks in a device region to the CUDA backend's device
+// entry point only, so a CPU session refuses them, and held-out chunks
+// are refused there too, both before the sequence is looked at.
+TEST(SharedMemoryCudaIpcServiceTest, DeviceChunksNeedACudaSession) {
+  int opened = 0;
+  service::ServiceOptions options;
+  options.executor_threads = 2;
+  options.shared_memory = WithFakeCudaIpc(&opened);
+  service::CalibrationService service(options);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub = pb::Calibration::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext context;
+    pb::Session session;
+    ASSERT_TRUE(
+        stub->CreateSession(&context, CreateRequest("s"), &session).ok());
+    EXPECT_EQ(session.backend(), "cpu");
+  }
+  pb::SharedMemoryRegion region;
+  {
+    grpc::ClientContext context;
+    pb::RegisterSharedMemoryRequest request;
+    request.set_kind(pb::SHARED_MEMORY_KIND_CUDA_IPC);
+    request.set_cuda_ipc_handle(std::string(64, '\7'));
+    request.set_byte_size(1 << 16);
+    ASSERT_TRUE(stub->RegisterSharedMemory(&context, request, &region).ok());
+    EXPECT_EQ(region.kind(), pb::SHARED_MEMORY_KIND_CUDA_IPC);
+    EXPECT_EQ(opened, 1);
+  }
+  pb::IngestRequest chunk = Workload("s", 1, 2)[0];
+  const uint64_t size = chunk.data().size();
+  chunk.clear_data();
+  chunk.mutable_shared_memory()->set_region_id(region.region_id());
+  chunk.mutable_shared_memory()->set_byte_size(size);
+  StreamResult cpu = IngestAll(stub.get(), {chunk});
+  EXPECT_EQ(cpu.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(cpu.status.error_message(),
+              HasSubstr("chunk 1 from producer 'p': its data is in CUDA IPC "
+                        "memory but session 's' keeps its statistics on the "
+                        "cpu backend"));
+  chunk.set_holdout(true);
+  StreamResult holdout = IngestAll(stub.get(), {chunk});
+  EXPECT_EQ(holdout.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(holdout.status.error_message(),
+              HasSubstr("a held-out chunk cannot be in CUDA IPC memory"));
+  grpc::Status status;
+  EXPECT_EQ(GetSession(stub.get(), "s", &status).chunks_applied(), 0u);
+  server->Shutdown();
 }
 
 TEST(SharedMemoryTenantTest, AnotherTenantsRegionIsNotFound) {
