@@ -276,8 +276,8 @@ absl::StatusOr<UploadResult> Uploader::Upload(
               << ": shared memory not used, sending chunks in-band ("
               << why.message() << ")\n";
   };
-  // (Re)registers the ring with the current worker; false with the error
-  // that ends the upload.
+  // (Re)registers the ring with the current worker. OK when registered or
+  // fallen back to in-band; else the error (retriable ones are retried).
   auto register_ring = [&]() -> absl::Status {
     if (ring == nullptr) return absl::OkStatus();
     absl::Status s = ring->Register(channel_, connection_);
