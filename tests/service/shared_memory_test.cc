@@ -542,6 +542,70 @@ TEST_F(SharedMemoryWorkerTest, ByReferenceEqualsInBandBitForBit) {
             ExportStatistics(stub_.get(), "inband"));
 }
 
+TEST_F(SharedMemoryWorkerTest, ConcurrentStreamsShareOneRegion) {
+  // Four producers stream at once, each from its own part of one region:
+  // the same scales as the same four producers in-band.
+  Create("inband");
+  Create("shm");
+  ShmObject shm(4 << 20);
+  const uint64_t region = RegisterOk(shm);
+  std::vector<std::vector<pb::IngestRequest>> inband(4), refs(4);
+  for (int p = 0; p < 4; ++p) {
+    for (const std::string id : {"inband", "shm"}) {
+      auto chunks = Workload(id, 2, 9 + p);
+      for (pb::IngestRequest& c : chunks) {
+        c.set_producer_id(absl::StrCat("p", p));
+        // Different data per producer.
+        std::string data = c.data();
+        for (size_t i = 0; i + 4 <= data.size(); i += 4) data[i] ^= p;
+        c.set_data(data);
+      }
+      if (id == "inband") {
+        inband[p] = chunks;
+      } else {
+        refs[p] = ByReference(chunks, shm, region, p * (1 << 20));
+      }
+    }
+  }
+  auto run = [&](std::vector<std::vector<pb::IngestRequest>>& streams) {
+    std::vector<std::thread> threads;
+    std::vector<grpc::Status> status(streams.size());
+    for (size_t p = 0; p < streams.size(); ++p) {
+      threads.emplace_back(
+          [&, p] { status[p] = IngestAll(stub_.get(), streams[p]).status; });
+    }
+    for (auto& t : threads) t.join();
+    for (const grpc::Status& s : status) {
+      EXPECT_TRUE(s.ok()) << s.error_message();
+    }
+  };
+  run(inband);
+  run(refs);
+  // Concurrent streams apply in any order, and double sums depend on it:
+  // compare what is order-independent (min/max, histograms, the exact tail).
+  auto finalize = [&](const std::string& id, pb::Observer observer) {
+    grpc::ClientContext context;
+    pb::FinalizeRequest request;
+    request.set_session_id(id);
+    request.set_granularity(pb::GRANULARITY_PER_HEAD);
+    request.set_observer(observer);
+    pb::FinalizeResponse response;
+    grpc::Status status = stub_->Finalize(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    response.clear_resolved();  // names the session
+    return response.SerializeAsString();
+  };
+  for (pb::Observer observer :
+       {pb::OBSERVER_STATIC_MINMAX, pb::OBSERVER_PERCENTILE}) {
+    EXPECT_EQ(finalize("shm", observer), finalize("inband", observer));
+  }
+  const pb::Session shm_session = Get("shm");
+  const pb::Session inband_session = Get("inband");
+  EXPECT_EQ(shm_session.chunks_applied(), inband_session.chunks_applied());
+  EXPECT_EQ(shm_session.values_ingested(), inband_session.values_ingested());
+  EXPECT_EQ(shm_session.producers_size(), 4);
+}
+
 TEST_F(SharedMemoryWorkerTest,
        BadReferencesFailLikeInBandChunksAndChangeNothing) {
   Create("s");
