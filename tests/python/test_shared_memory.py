@@ -93,3 +93,26 @@ def test_shared_memory_falls_back_in_band(make_worker, caplog):
     warnings = [r for r in caplog.records if "shared memory not used" in r.getMessage()]
     assert len(warnings) == 1, "one line, not one per chunk"
     assert client.status().chunks_applied == producer.last_sequence
+
+
+def test_shared_memory_with_several_workers(make_worker):
+    # A sharding client: one ring per worker, each layer's chunks by
+    # reference to the worker that owns the layer; the scales of one worker.
+    from test_producer import GEOMETRY as SMALL, make_batches, push
+
+    data = make_batches(5, layers=SMALL["num_layers"])
+    one = kvcal.Client(make_worker().target)
+    one.create_session(geometry=SMALL, session_id="ref")
+    push(one, data)
+    ws = [make_worker(extra_args=["--worker-id", n]) for n in ("a", "b")]
+    client = kvcal.Client([w.target for w in ws])
+    client.create_session(geometry=SMALL, session_id="sharded")
+    producer = push(client, data, shared_memory=True)
+    assert producer.shared_memory
+    for observer, granularity in [("static_minmax", "head"), ("minmax", "tensor")]:
+        want = one.finalize(observer, granularity, session_id="ref")
+        got = client.finalize(observer, granularity, session_id="sharded")
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+    for w in client.workers:
+        assert regions(w) == []
