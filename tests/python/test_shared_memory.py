@@ -116,3 +116,25 @@ def test_shared_memory_with_several_workers(make_worker):
             np.testing.assert_array_equal(got[name], want[name])
     for w in client.workers:
         assert regions(w) == []
+
+
+def test_shared_memory_that_cannot_be_allocated_falls_back(worker, monkeypatch):
+    # A full /dev/shm: the ring is refused when it is created (never a SIGBUS
+    # on a later write) and the chunks go in-band.
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = set(glob.glob("/dev/shm/kvcal-py-*"))
+    client = kvcal.Client(worker.target)
+    client.create_session(geometry=GEOMETRY, session_id="py-full")
+    with kvcal.Producer(client, chunk_bytes=8 << 10, shared_memory=True) as producer:
+        stream(producer)
+    assert not producer.shared_memory
+    assert "No space left" in producer.shared_memory_fallback
+    assert set(glob.glob("/dev/shm/kvcal-py-*")) == before, "the object is unlinked"
+    assert client.status().chunks_applied == producer.last_sequence
+    client.delete()

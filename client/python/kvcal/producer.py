@@ -151,6 +151,17 @@ class _SharedMemoryRing:
         name = f"kvcal-py-{os.getpid()}-{secrets.token_hex(6)}"
         self._shm = shared_memory.SharedMemory(name=name, create=True,
                                                size=self.slots * self.slot_bytes)
+        fd = getattr(self._shm, "_fd", -1)  # POSIX
+        try:
+            # Allocate the pages now: a full /dev/shm (64 MiB in a default
+            # container) is an OSError here, not a SIGBUS on a later write.
+            if fd >= 0:
+                os.posix_fallocate(fd, 0, self.slots * self.slot_bytes)
+        except OSError as e:
+            self._shm.close()
+            self._shm.unlink()
+            raise OSError(f"cannot allocate {self.slots * self.slot_bytes} bytes of shared "
+                          f"memory for {self.slots} slots in /dev/shm: {e}") from None
         self.name = "/" + name
         self.region_id = 0
         self._client = None
