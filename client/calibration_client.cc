@@ -479,6 +479,8 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
     workers_[i].stub = v1::Calibration::NewStub(*channel);
   }
   UploadResult total;
+  bool any = false;
+  total.shared_memory = true;  // every worker's chunks went by reference
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (!results[i].ok()) {
       return absl::Status(
@@ -494,7 +496,15 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
     total.chunks_duplicate += r.chunks_duplicate;
     total.bytes += r.bytes;
     total.reconnects += r.reconnects;
+    if (!per_worker[i].empty()) {
+      any = true;
+      total.shared_memory = total.shared_memory && r.shared_memory;
+      if (total.shared_memory_fallback.empty()) {
+        total.shared_memory_fallback = r.shared_memory_fallback;
+      }
+    }
   }
+  total.shared_memory = total.shared_memory && any;
   return total;
 }
 

@@ -69,6 +69,7 @@ struct Args {
   size_t chunk_bytes = UploaderOptions{}.max_chunk_bytes;
   size_t window = UploaderOptions{}.window;  // docs/producers.md
   bool resume = false;
+  bool shm = false;
   uint64_t holdout_batches = 0;
   uint64_t holdout_budget_bytes = 0;
   FinalizeArgs finalize;
@@ -201,6 +202,7 @@ UploaderOptions MakeUploaderOptions(const Args& a) {
   o.max_chunk_bytes = a.chunk_bytes;
   o.window = a.window;
   o.resume = a.resume;
+  o.shared_memory = a.shm;
   return o;
 }
 
@@ -216,6 +218,7 @@ Json PushJson(const PushSummary& p) {
           {"chunks_duplicate", p.upload.chunks_duplicate},
           {"bytes", p.upload.bytes},
           {"reconnects", p.upload.reconnects},
+          {"shared_memory", p.upload.shared_memory},
           {"seconds", seconds},
           {"mib_per_second", seconds > 0 ? static_cast<double>(p.upload.bytes) /
                                                seconds / (1 << 20)
@@ -226,11 +229,12 @@ std::string PushText(const PushSummary& p) {
   const Json j = PushJson(p);
   return absl::StrFormat(
       "pushed %u chunks (%.1f MiB) from %u files in %.2fs (%.1f MiB/s); "
-      "%u applied, %u duplicates, %u skipped, %u reconnects\n",
+      "%u applied, %u duplicates, %u skipped, %u reconnects%s\n",
       p.upload.chunks, p.upload.bytes / 1048576.0, p.files,
       j["seconds"].get<double>(), j["mib_per_second"].get<double>(),
       p.upload.chunks_applied, p.upload.chunks_duplicate,
-      p.upload.chunks_skipped, p.upload.reconnects);
+      p.upload.chunks_skipped, p.upload.reconnects,
+      p.upload.shared_memory ? "; by shared memory" : "");
 }
 
 Json PatchJson(const PatchReport& r) {
@@ -579,6 +583,10 @@ int Main(int argc, char** argv) {
   push->add_flag("--resume", a.resume,
                  "continue an interrupted push of the same dump: skip what the "
                  "worker already applied");
+  push->add_flag("--shm", a.shm,
+                 "same-host shared memory: send chunks as references into a "
+                 "shared-memory ring the worker maps (in-band when the worker "
+                 "is on another host; docs/shared_memory.md)");
   push->add_option("--holdout-batches", a.holdout_batches,
                    "send the last N batches of the dump as held out: the "
                    "worker keeps them for `finalize --evaluate` and "
@@ -645,6 +653,8 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   calibrate->add_option("--chunk-bytes", a.chunk_bytes, "chunk size limit")
       ->capture_default_str();
+  calibrate->add_flag("--shm", a.shm,
+                      "same-host shared memory for the push (see push --shm)");
   AddFinalize(calibrate, a.finalize);
   calibrate->add_option(
       "-o,--output", a.output,

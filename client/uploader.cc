@@ -2,11 +2,15 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstring>
+#include <iostream>
 #include <mutex>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/shared_memory_ring.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
@@ -38,8 +42,11 @@ ChunkView Slice(const ChunkView& chunk, std::vector<uint64_t> shape,
   return part;
 }
 
+// With `ring`, the chunk's bytes go into its slot and the request
+// references them.
 v1::IngestRequest MakeRequest(const ChunkView& chunk, uint64_t sequence,
-                              const UploaderOptions& options) {
+                              const UploaderOptions& options,
+                              SharedMemoryRing* ring) {
   v1::IngestRequest request;
   request.set_session_id(options.session_id);
   request.set_producer_id(options.producer_id);
@@ -51,8 +58,22 @@ v1::IngestRequest MakeRequest(const ChunkView& chunk, uint64_t sequence,
   request.set_layout(static_cast<v1::Layout>(chunk.layout));
   for (uint64_t d : chunk.shape) request.add_shape(d);
   request.set_head_offset(chunk.head_offset);
-  request.set_data(reinterpret_cast<const char*>(chunk.data.data()),
-                   chunk.data.size());
+  if (ring == nullptr) {
+    request.set_data(reinterpret_cast<const char*>(chunk.data.data()),
+                     chunk.data.size());
+  } else {
+    // The slot of sequence s was last used by s - slots, which the window
+    // guarantees is acknowledged (or, after a reconnect, holds the same
+    // chunk's bytes again).
+    const size_t slot = static_cast<size_t>((sequence - 1) % ring->slots());
+    if (!chunk.data.empty()) {
+      std::memcpy(ring->slot(slot), chunk.data.data(), chunk.data.size());
+    }
+    v1::SharedMemoryReference* ref = request.mutable_shared_memory();
+    ref->set_region_id(ring->region_id());
+    ref->set_offset(ring->slot_offset(slot));
+    ref->set_byte_size(chunk.data.size());
+  }
   if (options.holdout_batches.count(chunk.batch) > 0) {
     request.set_holdout(true);
   }
@@ -245,6 +266,42 @@ absl::StatusOr<UploadResult> Uploader::Upload(
   };
   publish(acked);
 
+  // Same-host shared memory, when asked and the worker can read it.
+  std::unique_ptr<SharedMemoryRing> ring;
+  auto fall_back = [&](const absl::Status& why) {
+    ring.reset();
+    result.shared_memory = false;
+    result.shared_memory_fallback = std::string(why.message());
+    std::cerr << "kvcal: " << who
+              << ": shared memory not used, sending chunks in-band ("
+              << why.message() << ")\n";
+  };
+  // (Re)registers the ring with the current worker. OK when registered or
+  // fallen back to in-band; else the error (retriable ones are retried).
+  auto register_ring = [&]() -> absl::Status {
+    if (ring == nullptr) return absl::OkStatus();
+    absl::Status s = ring->Register(channel_, connection_);
+    if (s.ok() || !SharedMemoryFallsBack(s)) return s;
+    fall_back(s);
+    return absl::OkStatus();
+  };
+  if (options_.shared_memory && acked < n) {
+    size_t slot_bytes = 0;
+    for (const ChunkView& c : chunks) {
+      slot_bytes = std::max(slot_bytes, c.data.size());
+    }
+    absl::StatusOr<std::unique_ptr<SharedMemoryRing>> created =
+        SharedMemoryRing::Create(options_.window, slot_bytes);
+    if (created.ok()) {
+      ring = *std::move(created);
+      result.shared_memory = true;
+      KVCAL_RETURN_IF_ERROR(register_ring());
+    } else {
+      fall_back(created.status());
+    }
+  }
+
+  bool needs_register = false;  // set after a reconnect
   int attempts = 0;
   absl::Duration backoff = options_.initial_backoff;
   absl::Status last_error;
@@ -270,6 +327,15 @@ absl::StatusOr<UploadResult> Uploader::Upload(
   absl::Duration durable_poll = absl::Milliseconds(50);
   for (;;) {
     while (acked < n) {
+      if (needs_register) {
+        if (absl::Status registered = register_ring(); !registered.ok()) {
+          if (!Retriable(registered)) return registered;
+          last_error = registered;
+          if (!another_attempt()) return gave_up();
+          continue;
+        }
+        needs_register = false;
+      }
       const uint64_t start = acked + 1;
       grpc::ClientContext context;
       PrepareContext(context, connection_, absl::InfiniteDuration());
@@ -291,7 +357,8 @@ absl::StatusOr<UploadResult> Uploader::Upload(
             });
             if (stop) return;
           }
-          if (!stream->Write(MakeRequest(chunks[seq - 1], seq, options_)))
+          if (!stream->Write(
+                  MakeRequest(chunks[seq - 1], seq, options_, ring.get())))
             return;
           ++sent;
         }
@@ -352,7 +419,12 @@ absl::StatusOr<UploadResult> Uploader::Upload(
             absl::StrCat("Ingest (", who, "): stream ended after sequence ",
                          acked, " of ", n));
       }
-      if (!Retriable(status) && !cut) return status;
+      // A worker restarted between the registration and this stream does
+      // not know the region: register again and resend.
+      const bool region_lost =
+          ring != nullptr && absl::IsNotFound(status) &&
+          absl::StrContains(status.message(), "shared memory region");
+      if (!Retriable(status) && !cut && !region_lost) return status;
       last_error = status;
 
       // Reconnect: back off, then learn what the worker holds and go on from
@@ -379,6 +451,8 @@ absl::StatusOr<UploadResult> Uploader::Upload(
       }
       acked = *watermark;  // may be lower than acknowledged: a restored worker
       publish(acked);
+      // A restarted (or relocated) worker does not know the region.
+      needs_register = ring != nullptr;
     }
     if (!options_.wait_durable) break;
     // Every chunk is acknowledged: wait until the worker's state dir has them.
@@ -394,6 +468,7 @@ absl::StatusOr<UploadResult> Uploader::Upload(
       // The worker restarted from an older snapshot: send the rest again.
       acked = state->sequence;
       publish(acked);
+      needs_register = ring != nullptr;
       continue;
     }
     const absl::Time now = absl::Now();

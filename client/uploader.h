@@ -83,6 +83,14 @@ struct UploaderOptions {
   // adding them to the statistics. They are split only into whole
   // sequences and head ranges (SplitChunk's whole_sequences).
   std::set<uint64_t> holdout_batches;
+  // Same-host shared memory (docs/shared_memory.md): chunks are written into
+  // a ring of `window` slots in a POSIX shared-memory object registered with
+  // the worker and sent as references (IngestRequest.shared_memory), a slot
+  // reused once its chunk is acknowledged. When the worker cannot use it
+  // (another host, shared memory off, an older worker: SharedMemoryFallsBack)
+  // one line goes to stderr and the chunks go in-band. After a reconnect
+  // the region is registered again.
+  bool shared_memory = false;
 };
 
 struct UploadResult {
@@ -93,6 +101,10 @@ struct UploadResult {
   uint64_t chunks_duplicate = 0;  // acked with applied = false
   uint64_t bytes = 0;             // data bytes of all N chunks
   uint64_t reconnects = 0;
+  // Chunks went by shared-memory reference (UploaderOptions::shared_memory
+  // and the worker accepted the region); else why not, when it was asked.
+  bool shared_memory = false;
+  std::string shared_memory_fallback;
 };
 
 // Splits one tensor into chunks of at most `max_bytes` of data (never

@@ -37,6 +37,7 @@ double SecondsSince(Clock::time_point start) {
 CalibrationService::CalibrationService(ServiceOptions options)
     : options_(std::move(options)),
       registry_(options_.registry),
+      shared_memory_(options_.shared_memory),
       executor_(options_.executor_threads) {
   metrics_.SetSessionGauge([this] { return registry_.size(); });
   // The generated service numbers its methods in the proto's order; a
@@ -281,9 +282,32 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
                                                    "': ", shard.message()));
   }
   ChunkView chunk = ChunkFromProto(request);
-  chunk.pieces = data;
-  absl::StatusOr<IngestOutcome> outcome = (*session)->Ingest(
-      producer, request.sequence(), chunk, request.holdout());
+  // Held until the chunk is applied (or copied, when held out): the range
+  // stays marked in use and the mapping alive through an Unregister.
+  SharedMemoryLease lease;
+  if (request.has_shared_memory()) {
+    const pb::SharedMemoryReference& ref = request.shared_memory();
+    absl::StatusOr<SharedMemoryLease> acquired =
+        data_bytes != 0 ? absl::InvalidArgumentError(absl::StrCat(
+                              "sets both data (", data_bytes,
+                              " bytes) and shared_memory; a chunk carries one"))
+                        : shared_memory_.Acquire(tenant, ref.region_id(),
+                                                 ref.offset(), ref.byte_size());
+    if (!acquired.ok()) {
+      return absl::Status(
+          acquired.status().code(),
+          absl::StrCat("chunk ", request.sequence(), " from producer '",
+                       producer, "': ", acquired.status().message()));
+    }
+    lease = *std::move(acquired);
+    chunk.data = lease.bytes();
+    data_bytes = lease.bytes().size();
+  } else {
+    chunk.pieces = data;
+  }
+  absl::StatusOr<IngestOutcome> outcome =
+      (*session)->Ingest(producer, request.sequence(), chunk, request.holdout(),
+                         /*device_data=*/lease.device());
   if (!outcome.ok()) return outcome.status();
   if (outcome->applied) {
     const uint64_t element_size = request.dtype() == pb::DTYPE_F32 ? 4 : 2;
@@ -315,6 +339,52 @@ grpc::ServerUnaryReactor* CalibrationService::GetWorkerInfo(
                  response->set_worker_id(options_.worker_id);
                  response->set_backend(options_.backend_name);
                  response->set_persistent(persister_ != nullptr);
+                 return absl::OkStatus();
+               });
+}
+
+grpc::ServerUnaryReactor* CalibrationService::RegisterSharedMemory(
+    grpc::CallbackServerContext* context,
+    const pb::RegisterSharedMemoryRequest* request,
+    pb::SharedMemoryRegion* response) {
+  return Unary(
+      context, "RegisterSharedMemory", /*offload=*/true,
+      [this, request, response](const std::string& tenant) -> absl::Status {
+        absl::StatusOr<SharedMemoryRegistration> registration =
+            SharedMemoryRegistrationFromProto(*request);
+        if (!registration.ok()) return registration.status();
+        absl::StatusOr<SharedMemoryRegionInfo> region =
+            shared_memory_.Register(tenant, *registration);
+        if (!region.ok()) return region.status();
+        KVCAL_LOG(INFO) << "tenant '" << tenant
+                        << "' registered shared memory region " << region->id
+                        << " ('" << region->name << "', " << region->byte_size
+                        << " bytes)";
+        SharedMemoryRegionToProto(*region, response);
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* CalibrationService::UnregisterSharedMemory(
+    grpc::CallbackServerContext* context,
+    const pb::UnregisterSharedMemoryRequest* request,
+    pb::UnregisterSharedMemoryResponse* /*response*/) {
+  return Unary(context, "UnregisterSharedMemory", /*offload=*/false,
+               [this, request](const std::string& tenant) -> absl::Status {
+                 return shared_memory_.Unregister(tenant, request->region_id());
+               });
+}
+
+grpc::ServerUnaryReactor* CalibrationService::ListSharedMemory(
+    grpc::CallbackServerContext* context,
+    const pb::ListSharedMemoryRequest* /*request*/,
+    pb::ListSharedMemoryResponse* response) {
+  return Unary(context, "ListSharedMemory", /*offload=*/false,
+               [this, response](const std::string& tenant) -> absl::Status {
+                 for (const SharedMemoryRegionInfo& region :
+                      shared_memory_.List(tenant)) {
+                   SharedMemoryRegionToProto(region, response->add_regions());
+                 }
                  return absl::OkStatus();
                });
 }

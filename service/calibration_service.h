@@ -20,6 +20,7 @@
 #include "service/executor.h"
 #include "service/metrics.h"
 #include "service/session_registry.h"
+#include "service/shared_memory.h"
 
 namespace kvcal::service {
 
@@ -38,6 +39,8 @@ struct ServiceOptions {
   // GetWorkerInfo and checked against session shard maps.
   std::string worker_id = "worker";
   std::string backend_name = "cpu";
+  // Same-host shared-memory regions (RegisterSharedMemory).
+  SharedMemoryOptions shared_memory;
 };
 
 class IngestReactor;
@@ -50,6 +53,7 @@ class CalibrationService final
   ~CalibrationService() override;
 
   SessionRegistry& registry() { return registry_; }
+  SharedMemoryRegistry& shared_memory() { return shared_memory_; }
 
   // Shutdown, first step: every open Ingest stream stops reading, applies
   // the chunks it already received, sends their responses and ends with
@@ -103,6 +107,18 @@ class CalibrationService final
       grpc::CallbackServerContext* context,
       const kvcal::v1::GetWorkerInfoRequest* request,
       kvcal::v1::WorkerInfo* response) override;
+  grpc::ServerUnaryReactor* RegisterSharedMemory(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::RegisterSharedMemoryRequest* request,
+      kvcal::v1::SharedMemoryRegion* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::UnregisterSharedMemoryRequest* request,
+      kvcal::v1::UnregisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* ListSharedMemory(
+      grpc::CallbackServerContext* context,
+      const kvcal::v1::ListSharedMemoryRequest* request,
+      kvcal::v1::ListSharedMemoryResponse* response) override;
 
  private:
   friend class IngestReactor;
@@ -120,8 +136,9 @@ class CalibrationService final
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context,
                                   const char* method, bool offload, Body body);
   // Applies one chunk: `request` without its data, which is `data` (views
-  // into the received message); the response or the status that ends the
-  // stream.
+  // into the received message) or, with `request.shared_memory`, bytes of a
+  // registered region held for the duration of the call; the response or
+  // the status that ends the stream.
   absl::StatusOr<kvcal::v1::IngestResponse> ApplyChunk(
       const std::string& tenant, const kvcal::v1::IngestRequest& request,
       const std::vector<absl::Span<const std::byte>>& data,
@@ -135,6 +152,7 @@ class CalibrationService final
 
   ServiceOptions options_;
   SessionRegistry registry_;
+  SharedMemoryRegistry shared_memory_;
   SessionPersister* persister_ = nullptr;
   Metrics metrics_;
   std::atomic<int64_t> inflight_bytes_{0};

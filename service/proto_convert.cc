@@ -412,4 +412,39 @@ absl::StatusOr<SessionSnapshot> SnapshotFromProto(
   return snapshot;
 }
 
+static_assert(static_cast<int>(SharedMemoryKind::kSystem) ==
+              kvcal::v1::SHARED_MEMORY_KIND_SYSTEM);
+static_assert(static_cast<int>(SharedMemoryKind::kCudaIpc) ==
+              kvcal::v1::SHARED_MEMORY_KIND_CUDA_IPC);
+
+absl::StatusOr<SharedMemoryRegistration> SharedMemoryRegistrationFromProto(
+    const kvcal::v1::RegisterSharedMemoryRequest& request) {
+  SharedMemoryRegistration out;
+  switch (request.kind()) {
+    case kvcal::v1::SHARED_MEMORY_KIND_SYSTEM:
+    case kvcal::v1::SHARED_MEMORY_KIND_CUDA_IPC:
+      out.kind = static_cast<SharedMemoryKind>(request.kind());
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterSharedMemory: kind ", static_cast<int>(request.kind()),
+          " is not SHARED_MEMORY_KIND_SYSTEM or SHARED_MEMORY_KIND_CUDA_IPC"));
+  }
+  out.name = request.name();
+  out.cuda_ipc_handle = request.cuda_ipc_handle();
+  out.device = request.device();
+  out.byte_size = request.byte_size();
+  out.host_id = request.host_id();
+  return out;
+}
+
+void SharedMemoryRegionToProto(const SharedMemoryRegionInfo& info,
+                               kvcal::v1::SharedMemoryRegion* out) {
+  out->set_region_id(info.id);
+  out->set_kind(static_cast<kvcal::v1::SharedMemoryKind>(info.kind));
+  out->set_name(info.name);
+  out->set_device(info.device);
+  out->set_byte_size(info.byte_size);
+}
+
 }  // namespace kvcal::service

@@ -8,6 +8,7 @@
 #include "kernels/types.h"
 #include "kvcal/v1/calibration.pb.h"
 #include "service/session.h"
+#include "service/shared_memory.h"
 
 namespace kvcal::service {
 
@@ -55,6 +56,12 @@ void SnapshotToProto(const std::string& session_id,
                      kvcal::v1::SessionState* out);
 absl::StatusOr<SessionSnapshot> SnapshotFromProto(
     const kvcal::v1::SessionState& state);
+
+// RegisterSharedMemoryRequest: InvalidArgument for an unknown kind.
+absl::StatusOr<SharedMemoryRegistration> SharedMemoryRegistrationFromProto(
+    const kvcal::v1::RegisterSharedMemoryRequest& request);
+void SharedMemoryRegionToProto(const SharedMemoryRegionInfo& info,
+                               kvcal::v1::SharedMemoryRegion* out);
 
 }  // namespace kvcal::service
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "util/status_macros.h"
 
 namespace kvcal::service {
@@ -83,7 +84,7 @@ Session::Producer* Session::FindProducer(const std::string& producer_id,
 absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
                                               uint64_t sequence,
                                               const ChunkView& chunk,
-                                              bool holdout) {
+                                              bool holdout, bool device_data) {
   const std::string producer_name = ResolveProducerId(producer_id);
   auto describe = [&] {
     return absl::StrCat("chunk ", sequence, " from producer '", producer_name,
@@ -94,6 +95,23 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
     return absl::Status(extent.status().code(),
                         absl::StrCat(describe(), " (layer ", chunk.layer,
                                      "): ", extent.status().message()));
+  }
+  // Device data goes to the CUDA backend's device entry point only.
+  auto* const cuda = device_data
+                         ? dynamic_cast<CudaStatisticsBackend*>(backend_.get())
+                         : nullptr;
+  if (device_data && (cuda == nullptr || holdout)) {
+    return holdout ? absl::InvalidArgumentError(absl::StrCat(
+                         describe(),
+                         ": a held-out chunk cannot be in CUDA IPC memory "
+                         "(the worker keeps held-out chunks in host memory); "
+                         "send it in-band or from a SYSTEM region"))
+                   : absl::FailedPreconditionError(
+                         absl::StrCat(describe(),
+                                      ": its data is in CUDA IPC memory but "
+                                      "session '",
+                                      id_, "' keeps its statistics on the ",
+                                      backend_->name(), " backend"));
   }
   std::shared_lock<std::shared_mutex> state_lock(state_mu_);
   Producer* producer = FindProducer(producer_name, false);
@@ -122,10 +140,16 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
         describe(), ": sequence gap, expected sequence ",
         producer->watermark + 1, " (watermark ", producer->watermark, ")"));
   }
-  if (absl::Status status = holdout ? holdout_.Add(HoldoutChunk::Of(
-                                          producer_name, sequence, chunk))
-                                    : backend_->Accumulate(chunk);
-      !status.ok()) {
+  auto apply = [&]() -> absl::Status {
+    if (holdout) {
+      return holdout_.Add(HoldoutChunk::Of(producer_name, sequence, chunk));
+    }
+    if (cuda == nullptr) return backend_->Accumulate(chunk);
+    // Finished before the response, so the producer may reuse the memory.
+    KVCAL_RETURN_IF_ERROR(cuda->AccumulateDeviceData(chunk, nullptr));
+    return cuda->Synchronize();
+  };
+  if (absl::Status status = apply(); !status.ok()) {
     return absl::Status(status.code(),
                         absl::StrCat(describe(), ": ", status.message()));
   }

@@ -114,10 +114,16 @@ class Session {
   // sequence and producer. Nothing of a rejected chunk is applied.
   // A `holdout` chunk is kept whole in the session's HoldoutStore instead of
   // the statistics (ResourceExhausted past its budget, nothing applied).
+  // With `device_data`, chunk.data is device memory (a CUDA IPC region):
+  // FailedPrecondition unless the session's backend is CUDA, which then
+  // reads it in place and finishes before this returns (the producer may
+  // reuse the memory once the chunk is answered). Held-out chunks are
+  // never device data.
   absl::StatusOr<IngestOutcome> Ingest(absl::string_view producer_id,
                                        uint64_t sequence,
                                        const ChunkView& chunk,
-                                       bool holdout = false);
+                                       bool holdout = false,
+                                       bool device_data = false);
 
   absl::StatusOr<SessionInfo> Info();
   absl::StatusOr<ScaleResult> Finalize(const ScaleOptions& options);

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_ipc.h"
 #include "kernels/device_health.h"
 #include "service/log.h"
 #include "service/shard_map.h"
@@ -80,6 +81,12 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
           ? options.executor_threads
           : std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
   service_options.max_inflight_bytes = options.max_inflight_bytes;
+  service_options.shared_memory.enabled = options.shared_memory;
+  service_options.shared_memory.max_regions_per_tenant =
+      options.shared_memory_max_regions_per_tenant;
+  service_options.shared_memory.max_bytes_per_tenant =
+      options.shared_memory_max_bytes_per_tenant;
+  service_options.shared_memory.host_id = ReadHostId();
   if (!options.auth_token_file.empty()) {
     KVCAL_ASSIGN_OR_RETURN(service_options.auth, TokenAuthenticator::FromFile(
                                                      options.auth_token_file));
@@ -92,6 +99,10 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   KVCAL_ASSIGN_OR_RETURN(const BackendChoice choice,
                          ResolveBackend(options.backend, backend_options));
   worker->backend_name_ = choice.kind == BackendKind::kCuda ? "cuda" : "cpu";
+  if (choice.kind == BackendKind::kCuda) {
+    // CUDA IPC regions: chunks the CUDA backend reads in device memory.
+    service_options.shared_memory.open_cuda_ipc = CudaIpcMemory::Open;
+  }
   KVCAL_LOG(INFO) << "backend: " << choice.description;
 
   worker->worker_id_ = options.worker_id;

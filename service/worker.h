@@ -53,6 +53,10 @@ struct WorkerOptions {
   // when changed, on DeleteSession and on Shutdown. Empty = off.
   std::string state_dir;
   std::chrono::milliseconds snapshot_interval{10000};
+  // Same-host shared memory (docs/shared_memory.md).
+  bool shared_memory = true;
+  uint64_t shared_memory_max_regions_per_tenant = 64;
+  uint64_t shared_memory_max_bytes_per_tenant = 0;
 };
 
 class Worker {

@@ -102,6 +102,18 @@ int main(int argc, char** argv) {
                  "how often changed sessions are written to --state-dir")
       ->check(CLI::Range(10, 3600000))
       ->capture_default_str();
+  app.add_option("--shared-memory", options.shared_memory,
+                 "accept same-host shared-memory regions from producers "
+                 "(docs/shared_memory.md)")
+      ->capture_default_str();
+  app.add_option("--shared-memory-max-regions-per-tenant",
+                 options.shared_memory_max_regions_per_tenant,
+                 "registered regions per tenant; 0 = unlimited")
+      ->capture_default_str();
+  app.add_option("--shared-memory-max-bytes-per-tenant",
+                 options.shared_memory_max_bytes_per_tenant,
+                 "registered region bytes per tenant; 0 = unlimited")
+      ->capture_default_str();
   app.add_option("--port-file", port_file,
                  "write the bound port here once serving");
   app.add_option("--shutdown-grace-ms", shutdown_grace_ms,

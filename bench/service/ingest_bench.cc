@@ -15,12 +15,21 @@
 // Each stream count runs `reps` rounds, sink then worker, each round into a
 // fresh session; the table gives the medians, their ratio and the range of
 // the per-round ratios.
+//
+// A second table compares, in the same rounds, the worker's in-band ingest
+// with same-host shared memory (docs/shared_memory.md): each stream writes
+// its chunks into a ring of `window` slots in a POSIX shared-memory object
+// (the producer's copy is timed), registers it and sends references; the
+// worker reads the producer's pages in place. A third run sends the same
+// references without the copy ("in place": a producer whose tensors are
+// allocated in the region). `--shm-window N` (8, a multiple of 4).
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -32,6 +41,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "client/shared_memory_ring.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
 #include "service/worker.h"
 
@@ -260,6 +270,102 @@ double Run(const std::string& address, const std::string& session, int streams,
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// As Run, but each stream sends references into its own shared-memory ring
+// of `window` slots, reusing a slot once its chunk is acknowledged; the copy
+// of the payload into the slot is part of the time.
+double RunShm(const std::string& address, const std::string& session,
+              int streams, int chunks, const std::vector<std::string>& payloads,
+              size_t window, bool copy) {
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int s = 0; s < streams; ++s) {
+    threads.emplace_back([&, s] {
+      grpc::ChannelArguments channel_args;
+      channel_args.SetInt("kvcal.bench.stream", s);
+      auto channel = grpc::CreateCustomChannel(
+          address, grpc::InsecureChannelCredentials(), channel_args);
+      auto ring = kvcal::SharedMemoryRing::Create(window, payloads[0].size());
+      if (!ring.ok()) {
+        std::fprintf(stderr, "shm stream %d: %s\n", s,
+                     ring.status().ToString().c_str());
+        return;
+      }
+      if (absl::Status r = (*ring)->Register(channel, {}); !r.ok()) {
+        std::fprintf(stderr, "shm stream %d: %s\n", s, r.ToString().c_str());
+        return;
+      }
+      if (!copy) {
+        // In place: the producer's tensors live in the region (slot i holds
+        // payload i % payloads; window is a multiple of that), written once.
+        for (size_t slot = 0; slot < window; ++slot) {
+          const std::string& payload = payloads[slot % payloads.size()];
+          std::memcpy((*ring)->slot(slot), payload.data(), payload.size());
+        }
+      }
+      auto stub = pb::Calibration::NewStub(channel);
+      grpc::ClientContext context;
+      auto stream = stub->Ingest(&context);
+      std::mutex mu;
+      std::condition_variable acked_cv;
+      uint64_t acked = 0;
+      std::thread reader([&] {
+        pb::IngestResponse response;
+        while (stream->Read(&response)) {
+          std::lock_guard<std::mutex> lock(mu);
+          acked = response.sequence();
+          acked_cv.notify_one();
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        acked = UINT64_MAX;  // the stream ended
+        acked_cv.notify_one();
+      });
+      const int mine = chunks / streams;
+      for (int i = 0; i < mine; ++i) {
+        const uint64_t sequence = static_cast<uint64_t>(i) + 1;
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          acked_cv.wait(lock, [&] {
+            return sequence - acked <= window || acked == UINT64_MAX;
+          });
+          if (acked == UINT64_MAX) break;
+        }
+        const size_t slot = static_cast<size_t>(i) % window;
+        const std::string& payload =
+            payloads[static_cast<size_t>(i) % payloads.size()];
+        if (copy) {
+          std::memcpy((*ring)->slot(slot), payload.data(), payload.size());
+        }
+        pb::IngestRequest request;
+        request.set_session_id(session);
+        request.set_producer_id("bench-" + std::to_string(s));
+        request.set_sequence(sequence);
+        request.set_batch(static_cast<uint64_t>(i) / kLayers);
+        request.set_layer(static_cast<uint32_t>(i) % kLayers);
+        request.set_role(pb::ROLE_K);
+        request.set_dtype(pb::DTYPE_BF16);
+        request.set_layout(pb::LAYOUT_TOKENS_HEADS_DIM);
+        request.add_shape(kTokens);
+        request.add_shape(kHeads);
+        request.add_shape(kHeadDim);
+        pb::SharedMemoryReference* ref = request.mutable_shared_memory();
+        ref->set_region_id((*ring)->region_id());
+        ref->set_offset((*ring)->slot_offset(slot));
+        ref->set_byte_size(payload.size());
+        if (!stream->Write(request)) break;
+      }
+      stream->WritesDone();
+      reader.join();
+      grpc::Status status = stream->Finish();
+      if (!status.ok()) {
+        std::fprintf(stderr, "shm stream %d failed: %s\n", s,
+                     status.error_message().c_str());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -269,6 +375,7 @@ int main(int argc, char** argv) {
   std::string backend = "cpu";
   int cpu_threads = kvcal::service::WorkerOptions().cpu_threads;
   int reps = 3;
+  int shm_window = 8;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const std::string value = argv[i + 1];
@@ -281,6 +388,9 @@ int main(int argc, char** argv) {
     } else if (flag == "--reps") {
       (void)absl::SimpleAtoi(value, &reps);
       reps = std::max(reps, 1);
+    } else if (flag == "--shm-window") {
+      (void)absl::SimpleAtoi(value, &shm_window);
+      shm_window = std::max((shm_window + 3) / 4 * 4, 4);
     } else if (flag == "--cpu-threads") {
       (void)absl::SimpleAtoi(value, &cpu_threads);
     } else if (flag == "--streams") {
@@ -346,14 +456,20 @@ int main(int argc, char** argv) {
               "raw sink GB/s", "raw ratio",
               "minor faults/chunk (worker, sink, raw sink)");
   int run = 0;
+  struct ShmRow {
+    int streams;
+    double inband_gbs, shm_gbs, low, high, faults, inplace_gbs;
+  };
+  std::vector<ShmRow> shm_rows;
   for (int streams : stream_counts) {
     const int total = (chunks / streams) * streams;
     // Warm-up on the sink, then `reps` rounds that alternate sink and worker
     // so that drifting machine load touches both alike; medians reported.
     Run(sink_address, "warm-up", streams, streams * 2, payloads);
     Run(raw_sink_address, "warm-up", streams, streams * 2, payloads);
-    std::vector<double> sink_seconds, worker_seconds, raw_seconds;
-    int64_t worker_faults = 0, sink_faults = 0, raw_faults = 0;
+    std::vector<double> sink_seconds, worker_seconds, raw_seconds, shm_seconds,
+        inplace_seconds;
+    int64_t worker_faults = 0, sink_faults = 0, raw_faults = 0, shm_faults = 0;
     for (int rep = 0; rep < reps; ++rep) {
       // A fresh session per run so every chunk is applied, not a duplicate.
       const std::string session = "bench-" + std::to_string(run++);
@@ -378,6 +494,49 @@ int main(int argc, char** argv) {
       worker_seconds.push_back(
           Run(worker_address, session, streams, total, payloads));
       worker_faults += MinorFaults() - before;
+      const std::string shm_session = "bench-" + std::to_string(run++);
+      if (!(*worker)
+               ->service()
+               .registry()
+               .Create(kvcal::service::kDefaultTenant, shm_session, geometry)
+               .ok()) {
+        std::fprintf(stderr, "cannot create session\n");
+        return 1;
+      }
+      before = MinorFaults();
+      shm_seconds.push_back(RunShm(worker_address, shm_session, streams, total,
+                                   payloads, static_cast<size_t>(shm_window),
+                                   /*copy=*/true));
+      shm_faults += MinorFaults() - before;
+      const std::string inplace_session = "bench-" + std::to_string(run++);
+      if (!(*worker)
+               ->service()
+               .registry()
+               .Create(kvcal::service::kDefaultTenant, inplace_session,
+                       geometry)
+               .ok()) {
+        std::fprintf(stderr, "cannot create session\n");
+        return 1;
+      }
+      inplace_seconds.push_back(RunShm(worker_address, inplace_session, streams,
+                                       total, payloads,
+                                       static_cast<size_t>(shm_window),
+                                       /*copy=*/false));
+      auto info = (*worker)
+                      ->service()
+                      .registry()
+                      .Get(kvcal::service::kDefaultTenant, shm_session)
+                      .value()
+                      ->Info();
+      if (!info.ok() ||
+          info->counters.chunks_applied != static_cast<uint64_t>(total)) {
+        std::fprintf(stderr, "shared memory run applied %llu of %d chunks\n",
+                     info.ok() ? static_cast<unsigned long long>(
+                                     info->counters.chunks_applied)
+                               : 0ull,
+                     total);
+        return 1;
+      }
     }
     const double gb = total * bytes_per_chunk / 1e9;
     const double sink_median = Median(sink_seconds);
@@ -397,7 +556,30 @@ int main(int argc, char** argv) {
         sink_median / worker_median, range, gb / raw_median,
         raw_median / worker_median, worker_faults / chunk_runs,
         sink_faults / chunk_runs, raw_faults / chunk_runs);
+    double shm_low = 1e9, shm_high = 0;
+    for (int rep = 0; rep < reps; ++rep) {
+      shm_low = std::min(shm_low, worker_seconds[rep] / shm_seconds[rep]);
+      shm_high = std::max(shm_high, worker_seconds[rep] / shm_seconds[rep]);
+    }
+    shm_rows.push_back({streams, gb / worker_median, gb / Median(shm_seconds),
+                        shm_low, shm_high, shm_faults / chunk_runs,
+                        gb / Median(inplace_seconds)});
   }
+  std::printf(
+      "\nsame-host shared memory (same rounds; ring of %d slots per stream, "
+      "the producer's copy into the slot timed; worker copies: 0)\n",
+      shm_window);
+  std::printf("%-8s %14s %14s %10s   %-16s %13s %10s   %s\n", "streams",
+              "in-band GB/s", "shm GB/s", "shm ratio", "per-round ratios",
+              "in-place GB/s", "ratio", "minor faults/chunk (shm)");
+  for (const ShmRow& r : shm_rows) {
+    char range[40];
+    std::snprintf(range, sizeof(range), "%.2f..%.2f", r.low, r.high);
+    std::printf("%-8d %14.3f %14.3f %10.2f   %-16s %13.3f %10.2f   %.1f\n",
+                r.streams, r.inband_gbs, r.shm_gbs, r.shm_gbs / r.inband_gbs,
+                range, r.inplace_gbs, r.inplace_gbs / r.inband_gbs, r.faults);
+  }
+  std::printf("goal (issue 14): shm ratio >= 5 for 1 and 4 streams\n");
   sink->Shutdown();
   raw_sink->Shutdown();
   (*worker)->Shutdown(std::chrono::milliseconds(1000));

@@ -611,5 +611,132 @@ TEST_F(UploaderTest, WorkerRestartedUnderANewAddressIsFollowedByItsId) {
   EXPECT_EQ(restored.shard_map().worker_ids_size(), 2);
 }
 
+// Same-host shared memory: chunks by reference give the same scales as
+// in-band, exactly once through stream cuts and into a durable worker.
+TEST_F(UploaderTest, SharedMemoryUploadEqualsInBandThroughCuts) {
+  auto worker = StartWorker(
+      {"--state-dir", dir_ / "shm-state", "--snapshot-interval-ms", "50"});
+  ASSERT_NE(worker, nullptr);
+  CalibrationClient client = Connect({worker->address()});
+  const AllScales reference = Reference(client, "reference");
+  ASSERT_FALSE(reference.empty());
+
+  Create(client, "shm");
+  UploaderOptions options;
+  options.session_id = "shm";
+  options.producer_id = "rank0";
+  options.max_chunk_bytes = 4096;
+  options.window = 4;  // slots are reused many times over
+  options.initial_backoff = absl::Milliseconds(10);
+  options.shared_memory = true;
+  int acks = 0;
+  options.on_ack = [&](uint64_t) {
+    ++acks;
+    return acks != 9 && acks != 30;
+  };
+  Uploader uploader(client.channel(0), {}, options);
+  auto result = uploader.Upload(chunks_);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->shared_memory) << result->shared_memory_fallback;
+  EXPECT_EQ(result->reconnects, 2u);
+  auto session = client.GetSession("shm");
+  ASSERT_TRUE(session.ok());
+  auto ref_session = client.GetSession("reference");
+  ASSERT_TRUE(ref_session.ok());
+  EXPECT_EQ(session->values_ingested(), ref_session->values_ingested());
+  EXPECT_EQ(session->bytes_ingested(), ref_session->bytes_ingested());
+  ASSERT_EQ(session->producers_size(), 1);
+  EXPECT_EQ(session->producers(0).sequence(), result->chunks);
+  // Upload returned only once every chunk was durable.
+  EXPECT_EQ(session->producers(0).durable_sequence(), result->chunks);
+  EXPECT_EQ(Scales(client, "shm"), reference);
+  // The ring is unregistered once the upload is done.
+  grpc::ClientContext context;
+  v1::ListSharedMemoryResponse list;
+  ASSERT_TRUE(client.stub(0).ListSharedMemory(&context, {}, &list).ok());
+  EXPECT_EQ(list.regions_size(), 0);
+}
+
+TEST_F(UploaderTest, SharedMemoryReRegistersWithARestartedWorker) {
+  const int port = FreePort();
+  const std::string listen = "127.0.0.1:" + std::to_string(port);
+  auto reference_worker = StartWorker();
+  ASSERT_NE(reference_worker, nullptr);
+  CalibrationClient reference_client = Connect({reference_worker->address()});
+  const AllScales reference = Reference(reference_client, "job");
+
+  auto worker = StartWorker({}, listen);
+  ASSERT_NE(worker, nullptr);
+  CalibrationClient client = Connect({listen});
+  Create(client, "job");
+  UploaderOptions options;
+  options.session_id = "job";
+  options.max_chunk_bytes = 8192;
+  options.window = 4;
+  options.initial_backoff = absl::Milliseconds(20);
+  options.shared_memory = true;
+  bool restarted = false;
+  options.on_ack = [&](uint64_t sequence) {
+    if (sequence != 20 || restarted) return true;
+    restarted = true;
+    // The new worker gets the session's state but has never heard of the
+    // producer's region.
+    grpc::ClientContext export_context;
+    v1::ExportStateRequest export_request;
+    export_request.set_session_id("job");
+    v1::SessionState state;
+    EXPECT_TRUE(client.stub(0)
+                    .ExportState(&export_context, export_request, &state)
+                    .ok());
+    worker->Kill();
+    worker = StartWorker({}, listen);
+    EXPECT_NE(worker, nullptr);
+    auto fresh = CalibrationClient::Connect({listen}, {});
+    v1::ImportStateRequest import_request;
+    import_request.set_session_id("job");
+    *import_request.mutable_state() = state;
+    import_request.set_import_id("restore-1");
+    grpc::Status s;
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      grpc::ClientContext import_context;
+      import_context.set_wait_for_ready(true);
+      v1::Session restored;
+      s = fresh->stub(0).ImportState(&import_context, import_request,
+                                     &restored);
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return true;
+  };
+  Uploader uploader(client.channel(0), {}, options);
+  auto result = uploader.Upload(chunks_);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(restarted);
+  EXPECT_TRUE(result->shared_memory) << result->shared_memory_fallback;
+  EXPECT_GE(result->reconnects, 1u);
+  EXPECT_EQ(Scales(client, "job"), reference);
+}
+
+TEST_F(UploaderTest, SharedMemoryFallsBackInBandWhenTheWorkerCannotUseIt) {
+  // A worker with shared memory off answers RegisterSharedMemory as one on
+  // another host does (FAILED_PRECONDITION): the chunks go in-band.
+  auto worker = StartWorker({"--shared-memory", "false"});
+  ASSERT_NE(worker, nullptr);
+  CalibrationClient client = Connect({worker->address()});
+  const AllScales reference = Reference(client, "reference");
+  Create(client, "fallback");
+  UploaderOptions options;
+  options.shared_memory = true;
+  options.max_chunk_bytes = 8192;
+  auto result = client.Upload("fallback", chunks_, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_FALSE(result->shared_memory);
+  EXPECT_THAT(result->shared_memory_fallback,
+              HasSubstr("the worker is not on the producer's host"));
+  EXPECT_EQ(result->chunks_applied, result->chunks);
+  EXPECT_EQ(Scales(client, "fallback"), reference);
+}
+
 }  // namespace
 }  // namespace kvcal

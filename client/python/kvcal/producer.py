@@ -40,6 +40,16 @@ seconds; a wait for durability (in flush(), close(), or put() when the held
 chunks are all acknowledged but not durable) durable_timeout seconds. Past
 either, the producer fails with a ProducerError that says which.
 
+Same-host shared memory (docs/shared_memory.md): shared_memory=True writes
+each chunk into a ring of `window` slots of chunk_bytes in a POSIX
+shared-memory object ("/kvcal-py-<pid>-<random>", 0600) that the worker maps
+read-only, and sends a reference instead of the bytes; a slot is reused once
+its chunk is acknowledged. When the worker cannot use it (another host,
+--shared-memory=false, an older worker), one warning is logged and the chunks
+go in-band; `producer.shared_memory` says which. A chunk larger than a slot
+(a held-out sequence) goes in-band. After a reconnect the region is
+registered again (a restarted worker has never heard of it).
+
 Tensors: numpy arrays (float32, float16, ml_dtypes.bfloat16) and torch
 tensors (float32, float16, bfloat16; CPU or CUDA). bf16 goes on the wire as
 bf16. A CUDA tensor is copied to pinned host memory with a non-blocking copy
@@ -112,6 +122,94 @@ class _Payload:
             return memoryview(self._data)
 
 
+# RegisterSharedMemory codes after which a producer sends in-band instead
+# (the C++ SharedMemoryFallsBack): another host or shared memory off, an
+# older worker, no room for the region.
+_SHM_FALLBACK = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED,
+                 grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def _host_boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class _SharedMemoryRing:
+    """A POSIX shared-memory object of `slots` slots, registered with one
+    worker at a time."""
+
+    def __init__(self, slots: int, slot_bytes: int):
+        import os
+        import secrets
+        from multiprocessing import shared_memory
+
+        self.slots = max(1, int(slots))
+        self.slot_bytes = max(64, (int(slot_bytes) + 63) // 64 * 64)
+        name = f"kvcal-py-{os.getpid()}-{secrets.token_hex(6)}"
+        self._shm = shared_memory.SharedMemory(name=name, create=True,
+                                               size=self.slots * self.slot_bytes)
+        fd = getattr(self._shm, "_fd", -1)  # POSIX
+        try:
+            # Allocate the pages now: a full /dev/shm (64 MiB in a default
+            # container) is an OSError here, not a SIGBUS on a later write.
+            if fd >= 0:
+                os.posix_fallocate(fd, 0, self.slots * self.slot_bytes)
+        except OSError as e:
+            self._shm.close()
+            self._shm.unlink()
+            raise OSError(f"cannot allocate {self.slots * self.slot_bytes} bytes of shared "
+                          f"memory for {self.slots} slots in /dev/shm: {e}") from None
+        self.name = "/" + name
+        self.region_id = 0
+        self._client = None
+
+    @property
+    def byte_size(self) -> int:
+        return self.slots * self.slot_bytes
+
+    def register(self, client: Client) -> None:
+        """Registers with `client`'s worker (after unregistering an earlier
+        registration); raises KvcalError."""
+        self.unregister()
+        region = client._call(
+            f"RegisterSharedMemory({self.name})", client.stub.RegisterSharedMemory,
+            pb.RegisterSharedMemoryRequest(kind=pb.SHARED_MEMORY_KIND_SYSTEM, name=self.name,
+                                           byte_size=self.byte_size, host_id=_host_boot_id()))
+        self.region_id = region.region_id
+        self._client = client
+
+    def unregister(self) -> None:
+        if self.region_id and self._client is not None:
+            try:
+                self._client._call("UnregisterSharedMemory",
+                                   self._client.stub.UnregisterSharedMemory,
+                                   pb.UnregisterSharedMemoryRequest(region_id=self.region_id),
+                                   timeout=2.0)
+            except KvcalError:
+                pass  # best effort: a worker that is gone forgot it anyway
+        self.region_id = 0
+
+    def put(self, sequence: int, data: memoryview) -> pb.SharedMemoryReference:
+        """Copies `data` into the slot of `sequence`; the reference to it."""
+        offset = ((sequence - 1) % self.slots) * self.slot_bytes
+        n = len(data)
+        self._shm.buf[offset:offset + n] = data
+        return pb.SharedMemoryReference(region_id=self.region_id, offset=offset, byte_size=n)
+
+    def close(self) -> None:
+        self.unregister()
+        try:
+            self._shm.close()
+        finally:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
 class _Chunk:
     __slots__ = ("sequence", "batch", "layer", "role", "dtype", "layout", "shape",
                  "head_offset", "payload", "begin", "end", "holdout")
@@ -124,12 +222,21 @@ class _Chunk:
     def nbytes(self) -> int:
         return self.end - self.begin
 
-    def request(self, session_id: str, producer_id: str) -> pb.IngestRequest:
-        return pb.IngestRequest(
+    def request(self, session_id: str, producer_id: str,
+                ring: Optional[_SharedMemoryRing] = None) -> pb.IngestRequest:
+        request = pb.IngestRequest(
             session_id=session_id, producer_id=producer_id, sequence=self.sequence,
             batch=self.batch, layer=self.layer, role=self.role, dtype=self.dtype,
             layout=self.layout, shape=self.shape, head_offset=self.head_offset,
-            data=bytes(self.payload.view()[self.begin:self.end]), holdout=self.holdout)
+            holdout=self.holdout)
+        data = self.payload.view()[self.begin:self.end]
+        if ring is not None and len(data) <= ring.slot_bytes:
+            # The window keeps the slot's previous chunk (sequence - slots)
+            # acknowledged before this one is sent.
+            request.shared_memory.CopyFrom(ring.put(self.sequence, data))
+        else:
+            request.data = bytes(data)
+        return request
 
 
 def _torch_bytes(tensor) -> bytes:
@@ -244,7 +351,8 @@ class Producer:
                  max_pending_bytes: int = 512 << 20, window: int = DEFAULT_WINDOW,
                  keep_until_durable: Optional[bool] = None, start_sequence: Optional[int] = None,
                  resume: bool = False,
-                 reconnect_timeout: float = 120.0, durable_timeout: float = 120.0):
+                 reconnect_timeout: float = 120.0, durable_timeout: float = 120.0,
+                 shared_memory: bool = False):
         self.client = client
         self.session_id = session_id or client._session(None)
         self.producer_id = producer_id or "default"
@@ -260,6 +368,16 @@ class Producer:
         # watermark below the acknowledged one means the worker restarted from
         # a snapshot and the chunks after it were sent again.
         self.resumes: List[Tuple[int, int]] = []
+        # shared_memory=True: the ring, until the worker turns out unable to
+        # use it (then None and the reason in shared_memory_fallback).
+        self._ring: Optional[_SharedMemoryRing] = None
+        self._shm_requested = bool(shared_memory)
+        self.shared_memory_fallback: Optional[str] = None
+        if shared_memory:
+            try:
+                self._ring = _SharedMemoryRing(self.window, self.chunk_bytes)
+            except OSError as e:
+                self._shm_fall_back(f"cannot create shared memory: {e}")
 
         self._cv = threading.Condition()
         self._chunks: Deque[_Chunk] = collections.deque()  # unreleased, in order
@@ -308,6 +426,12 @@ class Producer:
     @property
     def last_sequence(self) -> int:
         return self._next_sequence - 1
+
+    @property
+    def shared_memory(self) -> bool:
+        """Chunks go by shared-memory reference (shared_memory=True and the
+        worker accepted the region)."""
+        return self._shm_requested and self.shared_memory_fallback is None
 
     def put(self, layer: int, role, tensor, *, batch: Optional[int] = None,
             layout="heads_tokens_dim", head_offset: int = 0,
@@ -409,6 +533,7 @@ class Producer:
                 self._closing = True
                 self._cv.notify_all()
             self._thread.join()
+            self._close_ring()
         with self._cv:
             self._raise_if_failed_locked()
 
@@ -425,6 +550,8 @@ class Producer:
                     self._error = ProducerError("kvcal: producer abandoned after an error")
                 self._cv.notify_all()
             self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                self._close_ring()
 
     def stats(self) -> dict:
         with self._cv:
@@ -493,6 +620,32 @@ class Producer:
         # worker that restarts before its first snapshot still gets them.
         return self._acked if self.keep_until_durable is False else self._durable
 
+    def _shm_fall_back(self, why: str) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        self.shared_memory_fallback = why
+        log.warning("kvcal: producer %s: shared memory not used, sending chunks in-band (%s)",
+                    self.producer_id, why)
+
+    def _close_ring(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
+    def _register_ring(self) -> None:
+        """(Re)registers the ring with the worker before a stream; falls back
+        to in-band on the codes that mean it cannot be used."""
+        if self._ring is None:
+            return
+        try:
+            self._ring.register(self.client)
+        except KvcalError as e:
+            if e.code in _SHM_FALLBACK:
+                self._shm_fall_back(str(e))
+                return
+            raise
+
     def _fail(self, error: BaseException) -> None:
         with self._cv:
             if self._error is None:
@@ -553,6 +706,7 @@ class Producer:
             self._progress = False
             try:
                 start = self._resync()
+                self._register_ring()
                 self._stream(start)
                 failing_since, backoff = None, 0.05
             except ProducerError as e:
@@ -560,8 +714,12 @@ class Producer:
                 return
             except (grpc.RpcError, KvcalError) as e:
                 code = e.code() if isinstance(e, grpc.RpcError) else e.code
-                if code not in _RETRYABLE:
-                    detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+                detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+                # A worker restarted since the registration does not know the
+                # region: register again (in _register_ring) and resend.
+                region_lost = (self._ring is not None and code == grpc.StatusCode.NOT_FOUND
+                               and "shared memory region" in (detail or ""))
+                if code not in _RETRYABLE and not region_lost:
                     self._fail(ProducerError(f"kvcal: producer {self.producer_id}: "
                                              f"{code.name if code else 'ERROR'}: {detail}"))
                     return
@@ -619,7 +777,7 @@ class Producer:
                             return
                         self._cv.wait(0.5)
                 try:
-                    request = chunk.request(self.session_id, self.producer_id)
+                    request = chunk.request(self.session_id, self.producer_id, self._ring)
                     if self.client.shard_worker_ids:
                         request.shard_worker_ids.extend(self.client.shard_worker_ids)
                 except BaseException as e:  # e.g. a failed device copy
@@ -704,6 +862,10 @@ class _ShardedProducer(Producer):
     @property
     def reconnects(self) -> int:
         return sum(p.reconnects for p in self._shards)
+
+    @property
+    def shared_memory(self) -> bool:
+        return all(p.shared_memory for p in self._shards)
 
     @property
     def resumes(self) -> List[Tuple[int, int]]:
