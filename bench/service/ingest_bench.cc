@@ -216,6 +216,25 @@ double Median(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
 
+// Chunk `i` of stream `stream` without its bytes: a bf16 K chunk of
+// [kTokens, kHeads, kHeadDim], layers in turn.
+pb::IngestRequest ChunkRequest(const std::string& session, int stream,
+                               uint64_t sequence, int i) {
+  pb::IngestRequest request;
+  request.set_session_id(session);
+  request.set_producer_id("bench-" + std::to_string(stream));
+  request.set_sequence(sequence);
+  request.set_batch(static_cast<uint64_t>(i) / kLayers);
+  request.set_layer(static_cast<uint32_t>(i) % kLayers);
+  request.set_role(pb::ROLE_K);
+  request.set_dtype(pb::DTYPE_BF16);
+  request.set_layout(pb::LAYOUT_TOKENS_HEADS_DIM);
+  request.add_shape(kTokens);
+  request.add_shape(kHeads);
+  request.add_shape(kHeadDim);
+  return request;
+}
+
 // Streams `chunks` chunks over `streams` concurrent streams; returns seconds.
 double Run(const std::string& address, const std::string& session, int streams,
            int chunks, const std::vector<std::string>& payloads) {
@@ -242,18 +261,8 @@ double Run(const std::string& address, const std::string& session, int streams,
       });
       const int mine = chunks / streams;
       for (int i = 0; i < mine; ++i) {
-        pb::IngestRequest request;
-        request.set_session_id(session);
-        request.set_producer_id("bench-" + std::to_string(s));
-        request.set_sequence(static_cast<uint64_t>(i) + 1);
-        request.set_batch(static_cast<uint64_t>(i) / kLayers);
-        request.set_layer(static_cast<uint32_t>(i) % kLayers);
-        request.set_role(pb::ROLE_K);
-        request.set_dtype(pb::DTYPE_BF16);
-        request.set_layout(pb::LAYOUT_TOKENS_HEADS_DIM);
-        request.add_shape(kTokens);
-        request.add_shape(kHeads);
-        request.add_shape(kHeadDim);
+        pb::IngestRequest request =
+            ChunkRequest(session, s, static_cast<uint64_t>(i) + 1, i);
         request.set_data(payloads[static_cast<size_t>(i) % payloads.size()]);
         if (!stream->Write(request)) break;
       }
@@ -335,18 +344,7 @@ double RunShm(const std::string& address, const std::string& session,
         if (copy) {
           std::memcpy((*ring)->slot(slot), payload.data(), payload.size());
         }
-        pb::IngestRequest request;
-        request.set_session_id(session);
-        request.set_producer_id("bench-" + std::to_string(s));
-        request.set_sequence(sequence);
-        request.set_batch(static_cast<uint64_t>(i) / kLayers);
-        request.set_layer(static_cast<uint32_t>(i) % kLayers);
-        request.set_role(pb::ROLE_K);
-        request.set_dtype(pb::DTYPE_BF16);
-        request.set_layout(pb::LAYOUT_TOKENS_HEADS_DIM);
-        request.add_shape(kTokens);
-        request.add_shape(kHeads);
-        request.add_shape(kHeadDim);
+        pb::IngestRequest request = ChunkRequest(session, s, sequence, i);
         pb::SharedMemoryReference* ref = request.mutable_shared_memory();
         ref->set_region_id((*ring)->region_id());
         ref->set_offset((*ring)->slot_offset(slot));
