@@ -9,13 +9,14 @@
 //     lane Lane16(dtype, j % kGroupValues): two sets A and B of kLanes
 //     lanes. Each lane keeps s += x and q += x * x in float, in value order
 //     (x * x is exact in float for 16-bit inputs, so mul+add and FMA agree).
-//   - At the end of the block, when none of the 4 * kLanes float lanes is
-//     NaN or Inf and some q lane is at least kTinySquares, lane k adds
-//     double(A_s[k] + B_s[k]) to the head's double lane k (and the same for
-//     q). Otherwise (a NaN or Inf input, a float overflow, or a block of
-//     values so small that their squares would underflow float) the block is
-//     redone in double: each finite value, in order, adds double(x) and
-//     double(x)^2 to its double lane (k as above).
+//   - At the end of the block, when every float sum A_s[k] + B_s[k] and
+//     A_q[k] + B_q[k] is finite and some q lane is at least kTinySquares,
+//     lane k adds double(A_s[k] + B_s[k]) to the head's double lane k (and
+//     the same for q). Otherwise (a NaN or Inf input, a float overflow,
+//     also one in A + B alone, or a block of values so small that their
+//     squares would underflow float) the block is redone in double: each finite
+//     value, in order, adds double(x) and double(x)^2 to its double lane (k as
+//     above).
 //   - At the end of the call, FoldLanes adds the kLanes double lanes in a
 //     fixed pairwise order to RunAccumulator::sum (and sum_squares).
 // Min, max, counts, histograms and tails are exact, so any order gives the

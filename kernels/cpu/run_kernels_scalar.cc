@@ -129,17 +129,23 @@ void Scalar16Spans(const RowSpan* spans, size_t count, size_t heads,
             s[lane] += x;
             q[lane] += x * x;  // exact for 16-bit x: no contraction question
           }
+          // The lane sums A + B the double lanes would get: all finite
+          // (no NaN or Inf input, no float overflow, also not in A + B).
+          float s_ab[kLanes], q_ab[kLanes];
           bool finite = true, tiny = true;
+          for (size_t k = 0; k < kLanes; ++k) {
+            s_ab[k] = s[k] + s[kLanes + k];
+            q_ab[k] = q[k] + q[kLanes + k];
+            finite &= !internal::NonFiniteBits(FloatBits(s_ab[k])) &&
+                      !internal::NonFiniteBits(FloatBits(q_ab[k]));
+          }
           for (size_t k = 0; k < 2 * kLanes; ++k) {
-            finite &= !internal::NonFiniteBits(FloatBits(s[k])) &&
-                      !internal::NonFiniteBits(FloatBits(q[k]));
             tiny &= q[k] < internal::kTinySquares;
           }
           if (finite && !tiny) {
             for (size_t k = 0; k < kLanes; ++k) {
-              lanes[h].sum[k] += static_cast<double>(s[k] + s[kLanes + k]);
-              lanes[h].sum_squares[k] +=
-                  static_cast<double>(q[k] + q[kLanes + k]);
+              lanes[h].sum[k] += static_cast<double>(s_ab[k]);
+              lanes[h].sum_squares[k] += static_cast<double>(q_ab[k]);
             }
             internal::ExactStats16(kDType, p, n, accs[h]);
           } else {

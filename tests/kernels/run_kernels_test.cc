@@ -230,6 +230,53 @@ TEST_P(RunKernelsTest, SpansGiveTheSameBitsOnEveryInstructionSet) {
   }
 }
 
+// Two values whose squares fit in float but whose sum of squares does not,
+// in the two float lanes (A and B) that add up into one double lane: every
+// ISA, scalar included, must give the finite double sums (a fuzz input found
+// +Inf when only A and B were checked, not A + B).
+TEST_P(RunKernelsTest, LaneSumsOverflowingOnlyWhenAddedStayExact) {
+  const DType dtype = GetParam();
+  if (dtype == DType::kF32) GTEST_SKIP() << "f32 is summed in double";
+  // bf16: 1.6e19 (x^2 = 2.6e38 < FLT_MAX, 2 x^2 > FLT_MAX); f16 tops out at
+  // 65504, whose squares never overflow float: then the test is that nothing
+  // changes.
+  const float big = dtype == DType::kBf16 ? 1.6e19f : 65504.0f;
+  const size_t length = 36;  // a whole group of 32 and a padded rest
+  std::vector<unsigned char> data(2 * length, 0);
+  auto put = [&](size_t i, float x) {
+    const uint16_t b = dtype == DType::kBf16 ? EncodeBf16(x) : EncodeF16(x);
+    std::memcpy(data.data() + 2 * i, &b, 2);
+  };
+  for (size_t i = 0; i < length; ++i) put(i, 1.0f);
+  // Values 0 and 1 land in lane 0 of A and lane 0 of B for bf16 (even / odd),
+  // values 0 and 16 for f16 (first / second half): set all three.
+  for (size_t i : {size_t{0}, size_t{1}, size_t{16}}) put(i, big);
+  double sum = 0, sum_squares = 0;
+  for (size_t i = 0; i < length; ++i) {
+    uint16_t b;
+    std::memcpy(&b, data.data() + 2 * i, 2);
+    const double x = dtype == DType::kBf16 ? ::kvcal::testing::RefDecodeBf16(b)
+                                           : ::kvcal::testing::RefDecodeF16(b);
+    sum += x;
+    sum_squares += x * x;
+  }
+  std::vector<std::pair<std::string, RowsFn>> fns = {
+      {"scalar", ScalarRowsFn(dtype)}};
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (RowsFn fn = RowsFnFor(isa, dtype)) {
+      fns.emplace_back(std::string(CpuIsaName(isa)), fn);
+    }
+  }
+  for (const auto& [name, fn] : fns) {
+    const Result r = RunLoop(fn, data, 1, 1, length, 0, false, 1);
+    EXPECT_TRUE(std::isfinite(r.accs[0].sum_squares)) << name;
+    EXPECT_NEAR(r.accs[0].sum_squares, sum_squares, sum_squares * 0x1p-20)
+        << name;
+    EXPECT_NEAR(r.accs[0].sum, sum, std::fabs(sum) * 0x1p-20) << name;
+    EXPECT_EQ(r.accs[0].finite, length) << name;
+  }
+}
+
 TEST(CpuIsaTest, NamesRoundTripAndUnknownIsRejected) {
   for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
     auto parsed = ParseCpuIsa(CpuIsaName(isa));
