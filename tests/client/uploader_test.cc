@@ -108,14 +108,7 @@ class UploaderTest : public ::testing::Test {
     ASSERT_TRUE(dump.ok()) << dump.status();
     dump_.emplace(*std::move(dump));
     for (const DumpTensor& t : dump_->tensors()) {
-      chunks_.push_back(ChunkView{.layer = t.layer,
-                                  .role = t.role,
-                                  .dtype = t.dtype,
-                                  .layout = t.layout,
-                                  .shape = t.shape,
-                                  .batch = t.batch,
-                                  .data = t.data,
-                                  .pieces = {}});
+      chunks_.push_back(t.View());
     }
   }
 
@@ -138,6 +131,41 @@ class UploaderTest : public ::testing::Test {
     auto client = CalibrationClient::Connect(endpoints, options);
     EXPECT_TRUE(client.ok()) << client.status();
     return *std::move(client);
+  }
+
+  // As a supervisor restoring a worker would: exports `session` from the
+  // worker, kills it, starts a new one on `listen` and imports the state
+  // there, retrying while the new worker comes up.
+  void RestartWithImportedState(CalibrationClient& client,
+                                std::unique_ptr<LocalWorker>& worker,
+                                const std::string& listen,
+                                const std::string& session) {
+    grpc::ClientContext export_context;
+    v1::ExportStateRequest export_request;
+    export_request.set_session_id(session);
+    v1::SessionState state;
+    EXPECT_TRUE(client.stub(0)
+                    .ExportState(&export_context, export_request, &state)
+                    .ok());
+    worker->Kill();
+    worker = StartWorker({}, listen);
+    EXPECT_NE(worker, nullptr);
+    auto fresh = CalibrationClient::Connect({listen}, {});
+    v1::ImportStateRequest import_request;
+    import_request.set_session_id(session);
+    *import_request.mutable_state() = state;
+    import_request.set_import_id("restore-1");
+    grpc::Status s;
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      grpc::ClientContext import_context;
+      import_context.set_wait_for_ready(true);
+      v1::Session restored;
+      s = fresh->stub(0).ImportState(&import_context, import_request,
+                                     &restored);
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_TRUE(s.ok()) << s.error_message();
   }
 
   // Uploads into a fresh session `id` without interruption.
@@ -224,33 +252,7 @@ TEST_F(UploaderTest, WorkerRestartedWithStateImportedResumes) {
     restarted = true;
     // Snapshot the worker, crash it, and bring up a new one on the same port
     // with the snapshot imported, as a supervisor restoring a worker would.
-    grpc::ClientContext export_context;
-    v1::ExportStateRequest export_request;
-    export_request.set_session_id("job");
-    v1::SessionState state;
-    EXPECT_TRUE(client.stub(0)
-                    .ExportState(&export_context, export_request, &state)
-                    .ok());
-    worker->Kill();
-    worker = StartWorker({}, listen);
-    EXPECT_NE(worker, nullptr);
-    auto fresh = CalibrationClient::Connect({listen}, {});
-    v1::ImportStateRequest import_request;
-    import_request.set_session_id("job");
-    *import_request.mutable_state() = state;
-    import_request.set_import_id("restore-1");
-    // A supervisor retries while the new worker comes up.
-    grpc::Status s;
-    for (int attempt = 0; attempt < 50; ++attempt) {
-      grpc::ClientContext import_context;
-      import_context.set_wait_for_ready(true);
-      v1::Session restored;
-      s = fresh->stub(0).ImportState(&import_context, import_request,
-                                     &restored);
-      if (s.error_code() != grpc::StatusCode::UNAVAILABLE) break;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    EXPECT_TRUE(s.ok()) << s.error_message();
+    RestartWithImportedState(client, worker, listen, "job");
     return true;  // the stream to the dead worker breaks by itself
   };
   Uploader uploader(client.channel(0), {}, options);
@@ -681,32 +683,7 @@ TEST_F(UploaderTest, SharedMemoryReRegistersWithARestartedWorker) {
     restarted = true;
     // The new worker gets the session's state but has never heard of the
     // producer's region.
-    grpc::ClientContext export_context;
-    v1::ExportStateRequest export_request;
-    export_request.set_session_id("job");
-    v1::SessionState state;
-    EXPECT_TRUE(client.stub(0)
-                    .ExportState(&export_context, export_request, &state)
-                    .ok());
-    worker->Kill();
-    worker = StartWorker({}, listen);
-    EXPECT_NE(worker, nullptr);
-    auto fresh = CalibrationClient::Connect({listen}, {});
-    v1::ImportStateRequest import_request;
-    import_request.set_session_id("job");
-    *import_request.mutable_state() = state;
-    import_request.set_import_id("restore-1");
-    grpc::Status s;
-    for (int attempt = 0; attempt < 50; ++attempt) {
-      grpc::ClientContext import_context;
-      import_context.set_wait_for_ready(true);
-      v1::Session restored;
-      s = fresh->stub(0).ImportState(&import_context, import_request,
-                                     &restored);
-      if (s.error_code() != grpc::StatusCode::UNAVAILABLE) break;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    EXPECT_TRUE(s.ok()) << s.error_message();
+    RestartWithImportedState(client, worker, listen, "job");
     return true;
   };
   Uploader uploader(client.channel(0), {}, options);
