@@ -11,6 +11,8 @@
 
 #include <cstdint>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
@@ -57,6 +59,34 @@ inline std::string ExportStatistics(v1::Calibration::Stub* stub,
   grpc::Status status = stub->ExportState(&context, request, &state);
   EXPECT_TRUE(status.ok()) << status.error_message();
   return state.statistics();
+}
+
+// What one Ingest stream answered.
+struct StreamResult {
+  std::vector<v1::IngestResponse> responses;
+  grpc::Status status;
+};
+
+// Sends `chunks` on one Ingest stream (with `token` as the bearer token,
+// if any) while a second thread reads every acknowledgement.
+inline StreamResult IngestAll(v1::Calibration::Stub* stub,
+                              const std::vector<v1::IngestRequest>& chunks,
+                              const std::string& token = "") {
+  grpc::ClientContext context;
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+  auto stream = stub->Ingest(&context);
+  StreamResult result;
+  std::thread reader([&] {
+    v1::IngestResponse response;
+    while (stream->Read(&response)) result.responses.push_back(response);
+  });
+  for (const v1::IngestRequest& chunk : chunks) {
+    if (!stream->Write(chunk)) break;
+  }
+  stream->WritesDone();
+  reader.join();
+  result.status = stream->Finish();
+  return result;
 }
 
 }  // namespace kvcal::testing

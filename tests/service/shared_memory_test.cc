@@ -33,6 +33,8 @@ using ::kvcal::service::SharedMemoryRegistration;
 using ::kvcal::service::SharedMemoryRegistry;
 using ::kvcal::testing::ExportStatistics;
 using ::kvcal::testing::GetSession;
+using ::kvcal::testing::IngestAll;
+using ::kvcal::testing::StreamResult;
 using ::kvcal::testing::WorkerProcess;
 using ::testing::HasSubstr;
 
@@ -422,31 +424,6 @@ std::vector<pb::IngestRequest> ByReference(
     c.clear_data();
   }
   return chunks;
-}
-
-struct StreamResult {
-  std::vector<pb::IngestResponse> responses;
-  grpc::Status status;
-};
-
-StreamResult IngestAll(pb::Calibration::Stub* stub,
-                       const std::vector<pb::IngestRequest>& chunks,
-                       const std::string& token = "") {
-  grpc::ClientContext context;
-  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
-  auto stream = stub->Ingest(&context);
-  StreamResult result;
-  std::thread reader([&] {
-    pb::IngestResponse response;
-    while (stream->Read(&response)) result.responses.push_back(response);
-  });
-  for (const pb::IngestRequest& chunk : chunks) {
-    if (!stream->Write(chunk)) break;
-  }
-  stream->WritesDone();
-  reader.join();
-  result.status = stream->Finish();
-  return result;
 }
 
 grpc::Status Register(pb::Calibration::Stub* stub, const std::string& name,

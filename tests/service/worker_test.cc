@@ -28,6 +28,8 @@ namespace {
 namespace pb = ::kvcal::v1;
 using ::kvcal::testing::ExportStatistics;
 using ::kvcal::testing::GetSession;
+using ::kvcal::testing::IngestAll;
+using ::kvcal::testing::StreamResult;
 using ::kvcal::testing::WorkerProcess;
 using ::testing::HasSubstr;
 
@@ -91,31 +93,6 @@ std::vector<pb::IngestRequest> Workload(const std::string& session, int batches,
     }
   }
   return chunks;
-}
-
-struct StreamResult {
-  std::vector<pb::IngestResponse> responses;
-  grpc::Status status;
-};
-
-StreamResult IngestAll(pb::Calibration::Stub* stub,
-                       const std::vector<pb::IngestRequest>& chunks,
-                       const std::string& token = "") {
-  grpc::ClientContext context;
-  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
-  auto stream = stub->Ingest(&context);
-  StreamResult result;
-  std::thread reader([&] {
-    pb::IngestResponse response;
-    while (stream->Read(&response)) result.responses.push_back(response);
-  });
-  for (const pb::IngestRequest& chunk : chunks) {
-    if (!stream->Write(chunk)) break;
-  }
-  stream->WritesDone();
-  reader.join();
-  result.status = stream->Finish();
-  return result;
 }
 
 // Numbers chunks 1..n for one producer.
