@@ -569,7 +569,8 @@ struct Checkpoint {
   bool sharded = false;
   Json index;                            // when sharded
   std::vector<std::string> shard_names;  // in first-appearance order
-  std::map<std::string, std::set<std::string>> names_in_file;
+  // Per shard: the names and byte sizes of its tensors.
+  std::map<std::string, std::map<std::string, uint64_t>> tensors_in_file;
   std::vector<VllmScaleTensor> existing_scales;
   // Before ".layers.{L}.self_attn." ("model" for Llama).
   std::string prefix;
@@ -632,9 +633,9 @@ absl::StatusOr<Checkpoint> Discover(const fs::path& dir) {
   for (const std::string& shard : c.shard_names) {
     KVCAL_ASSIGN_OR_RETURN(SafetensorsFile file,
                            SafetensorsFile::Open((dir / shard).string()));
-    std::set<std::string>& names = c.names_in_file[shard];
+    std::map<std::string, uint64_t>& names = c.tensors_in_file[shard];
     for (const TensorInfo& t : file.tensors()) {
-      names.insert(t.name);
+      names[t.name] = t.size();
       if (IsVllmScaleName(t.name)) {
         c.existing_scales.push_back(
             {t.name, t.shape,
@@ -701,7 +702,7 @@ std::vector<FilePlan> PlanFiles(const Checkpoint& c,
   if (!c.sharded) {
     FilePlan single{
         kSingleFileName, (c.dir / kSingleFileName).string(), {}, true};
-    for (const std::string& name : c.names_in_file.at(kSingleFileName)) {
+    for (const auto& [name, bytes] : c.tensors_in_file.at(kSingleFileName)) {
       if (new_names.count(name)) single.drop.insert(name);
     }
     report.replaced_tensors = single.drop.size();
@@ -711,7 +712,7 @@ std::vector<FilePlan> PlanFiles(const Checkpoint& c,
   FilePlan scales_shard{kScalesShardName, "", {}, true};
   for (const std::string& shard : c.shard_names) {
     std::set<std::string> drop;
-    for (const std::string& name : c.names_in_file.at(shard)) {
+    for (const auto& [name, bytes] : c.tensors_in_file.at(shard)) {
       if (new_names.count(name)) drop.insert(name);
     }
     report.replaced_tensors += drop.size();
@@ -727,16 +728,14 @@ std::vector<FilePlan> PlanFiles(const Checkpoint& c,
   return plans;
 }
 
-// Bytes of the source tensors `plan` keeps.
-absl::StatusOr<uint64_t> KeptBytes(const FilePlan& plan) {
+// Bytes of the source tensors `plan` keeps (from the headers Discover read).
+uint64_t KeptBytes(const Checkpoint& c, const FilePlan& plan) {
   if (plan.source.empty()) return 0;
-  KVCAL_ASSIGN_OR_RETURN(SafetensorsFile source,
-                         SafetensorsFile::Open(plan.source));
-  uint64_t bytes = 0;
-  for (const TensorInfo& t : source.tensors()) {
-    if (!plan.drop.count(t.name)) bytes += t.size();
+  uint64_t kept = 0;
+  for (const auto& [name, bytes] : c.tensors_in_file.at(plan.name)) {
+    if (!plan.drop.count(name)) kept += bytes;
   }
-  return bytes;
+  return kept;
 }
 
 absl::StatusOr<PatchPlan> Plan(const Checkpoint& c,
@@ -762,7 +761,7 @@ absl::StatusOr<PatchPlan> Plan(const Checkpoint& c,
   }
   std::set<std::string> written;
   for (const FilePlan& f : plan.files) {
-    KVCAL_ASSIGN_OR_RETURN(uint64_t kept, KeptBytes(f));
+    const uint64_t kept = KeptBytes(c, f);
     plan.bytes_to_write += kept + (f.add_scales ? scale_bytes : 0);
     plan.bytes_to_verify += kept;
     written.insert(f.name);
@@ -805,9 +804,9 @@ absl::StatusOr<Json> UpdatedIndex(const Checkpoint& c, const PatchPlan& plan,
     updated[t.name] = kScalesShardName;
   }
   // Carried-over tensors of an earlier kvcal scales shard stay listed.
-  if (auto it = c.names_in_file.find(kScalesShardName);
-      it != c.names_in_file.end()) {
-    for (const std::string& name : it->second) {
+  if (auto it = c.tensors_in_file.find(kScalesShardName);
+      it != c.tensors_in_file.end()) {
+    for (const auto& [name, bytes] : it->second) {
       if (!plan.new_names.count(name)) updated[name] = kScalesShardName;
     }
   }
