@@ -23,6 +23,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -531,6 +532,23 @@ struct V {
       a = F{half(0), half(16)};
       b = F{half(32), half(48)};
     }
+  }
+  // How many bf16 values of the group at p have 0 < |bits| < limit (at most
+  // 128, so the signed 16-bit compare is exact).
+  static __attribute__((always_inline)) uint32_t TinyCountBf16(
+      const unsigned char* p, uint32_t limit) {
+    const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+    const __m256i below = _mm256_set1_epi16(static_cast<short>(limit));
+    auto tiny = [&](const unsigned char* q) {
+      const __m256i abs = _mm256_and_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), magnitude);
+      return static_cast<uint32_t>(_mm256_movemask_epi8(
+          _mm256_andnot_si256(_mm256_cmpeq_epi16(abs, _mm256_setzero_si256()),
+                              _mm256_cmpgt_epi16(below, abs))));
+    };
+    const uint64_t bytes = (uint64_t{tiny(p + 32)} << 32) | tiny(p);
+    // Two mask bits per 16-bit value.
+    return bytes == 0 ? 0u : static_cast<uint32_t>(std::popcount(bytes)) / 2;
   }
   static __attribute__((always_inline)) F Add(F a, F b) {
     return F{_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,6 +33,7 @@
 // own AVX-512 intrinsics (_mm512_undefined_*): a false positive.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 namespace kvcal::cpu {
@@ -80,6 +82,17 @@ struct V {
       b = _mm512_cvtph_ps(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
     }
+  }
+  // How many bf16 values of the group at p have 0 < |bits| < limit.
+  static __attribute__((always_inline)) uint32_t TinyCountBf16(
+      const unsigned char* p, uint32_t limit) {
+    const __m512i abs =
+        _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi16(0x7fff));
+    const __mmask32 tiny =
+        _mm512_test_epi16_mask(abs, abs) &
+        _mm512_cmplt_epu16_mask(abs,
+                                _mm512_set1_epi16(static_cast<short>(limit)));
+    return tiny == 0 ? 0u : static_cast<uint32_t>(std::popcount(tiny));
   }
   static __attribute__((always_inline)) F Add(F a, F b) {
     return _mm512_add_ps(a, b);

@@ -145,10 +145,11 @@ TEST_P(RunKernelsTest, EveryInstructionSetGivesTheSameBits) {
                           {17, 5, 136}};
   for (const Shape& s : shapes) {
     for (double special_rate : {0.0, 0.002, 0.05}) {
-      for (double scale : {1.0, 1e-25, 1e18}) {
+      // 1e-39 and 1e-6: mostly bf16 and f16 subnormals.
+      for (double scale : {1.0, 1e-25, 1e18, 1e-39, 1e-6}) {
         const auto data = MakeData(rng, dtype, s.rows * s.heads * s.length,
                                    special_rate, scale);
-        for (uint32_t bins : {0u, 16u, 64u}) {
+        for (uint32_t bins : {0u, 1u, 16u, 64u, 128u}) {
           for (size_t calls : {size_t{1}, size_t{3}}) {
             if (calls > s.rows) continue;
             const bool tail = bins != 0;
@@ -274,6 +275,57 @@ TEST_P(RunKernelsTest, LaneSumsOverflowingOnlyWhenAddedStayExact) {
         << name;
     EXPECT_NEAR(r.accs[0].sum, sum, std::fabs(sum) * 0x1p-20) << name;
     EXPECT_EQ(r.accs[0].finite, length) << name;
+  }
+}
+
+// Every bf16 bit pattern, in every loop and at every bin width, lands in
+// the bin that element_math.h's HistogramBin gives its value: the vector
+// loops count bf16 keys (|bits| >> (7 - log2 bins)) and map them to bins
+// when they flush, and key 0 must still tell the zeros from the subnormals
+// that share it. Once with the patterns below 2^40 only (their squares sum
+// in float, so every block goes through the vector code), once with all of
+// them (the blocks with NaN, Inf or overflowing squares taken back and redone
+// by the careful path).
+TEST(RunKernelsBf16Test, EveryBitPatternLandsInItsBin) {
+  std::vector<uint16_t> finite, all;
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    all.push_back(static_cast<uint16_t>(b));
+    if (std::fabs(DecodeBf16(static_cast<uint16_t>(b))) < 0x1p40f) {
+      finite.push_back(static_cast<uint16_t>(b));
+    }
+  }
+  Rng rng(5);
+  for (std::vector<uint16_t>* patterns : {&finite, &all}) {
+    for (size_t i = patterns->size(); i > 1; --i) {  // shuffled
+      std::swap((*patterns)[i - 1], (*patterns)[rng.UniformInt(0, i - 1)]);
+    }
+    std::vector<unsigned char> data(patterns->size() * 2);
+    std::memcpy(data.data(), patterns->data(), data.size());
+    for (uint32_t log2 = 0; log2 <= 7; ++log2) {
+      const uint32_t bins_per_octave = 1u << log2;
+      std::vector<uint64_t> expected(HistogramBinCount(log2), 0);
+      for (uint16_t b : *patterns) {
+        const float x = DecodeBf16(b);
+        if (std::isfinite(x)) ++expected[HistogramBin(x, log2)];
+      }
+      for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+        RowsFn fn = RowsFnFor(isa, DType::kBf16);
+        if (fn == nullptr) continue;
+        // 16 rows x 4 heads of runs of size / 64 values, in 4 calls.
+        const Result r =
+            RunLoop(fn, data, 16, 4, patterns->size() / 64, bins_per_octave,
+                    /*tail=*/false, 4);
+        std::vector<uint64_t> total(expected.size(), 0);
+        for (size_t h = 0; h < 4; ++h) {
+          for (size_t bin = 0; bin < total.size(); ++bin) {
+            total[bin] += r.histograms[h * total.size() + bin];
+          }
+        }
+        EXPECT_EQ(total, expected)
+            << CpuIsaName(isa) << ", " << bins_per_octave
+            << " bins per octave, " << patterns->size() << " patterns";
+      }
+    }
   }
 }
 
