@@ -27,6 +27,37 @@ def find_proto_root():
         "gRPC stubs (looked in: %s); set KVCAL_PROTO_DIR" % ", ".join(candidates))
 
 
+STAMP = "calibration_pb2.proto-sha256"
+
+
+def proto_digest(proto_root):
+    """sha256 of the calibration.proto the stubs are generated from."""
+    import hashlib
+
+    with open(os.path.join(proto_root, _PROTO_REL), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def stale(v1_dir=None):
+    """True when the stubs in v1_dir are missing, or were generated from
+    another calibration.proto than the one this checkout has (a pull that
+    changed the contract). An installed package without the proto next to
+    it keeps the stubs it was built with."""
+    v1_dir = os.path.abspath(v1_dir or os.path.join(_HERE, "v1"))
+    if not all(os.path.exists(os.path.join(v1_dir, name))
+               for name in ("calibration_pb2.py", "calibration_pb2_grpc.py")):
+        return True
+    try:
+        proto_root = find_proto_root()
+    except FileNotFoundError:
+        return False
+    try:
+        with open(os.path.join(v1_dir, STAMP)) as f:
+            return f.read().strip() != proto_digest(proto_root)
+    except OSError:
+        return True
+
+
 def generate(v1_dir=None):
     """Writes calibration_pb2.py, .pyi and calibration_pb2_grpc.py into v1_dir."""
     from grpc_tools import protoc  # grpcio-tools
@@ -47,3 +78,5 @@ def generate(v1_dir=None):
     ]
     if protoc.main(args) != 0:
         raise RuntimeError("kvcal: grpc_tools.protoc failed on " + proto_root)
+    with open(os.path.join(v1_dir, STAMP), "w") as f:
+        f.write(proto_digest(proto_root) + "\n")

@@ -1,15 +1,16 @@
 """Generated kvcal.v1 wire messages and the Calibration service stub.
 
 The modules are generated from proto/kvcal/v1/calibration.proto when the
-package is built; a source checkout generates them here on first import.
+package is built; a source checkout generates them here on first import,
+and again when its calibration.proto has changed since (the digest of the
+proto they came from is kept next to them).
 """
 import os
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if not (os.path.exists(os.path.join(_HERE, "calibration_pb2.py")) and
-        os.path.exists(os.path.join(_HERE, "calibration_pb2_grpc.py"))):
-    from kvcal import _stubgen
+from kvcal import _stubgen
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _stubgen.stale(_HERE):
     try:
         _stubgen.generate(_HERE)
     except ImportError as e:  # no grpcio-tools
