@@ -101,6 +101,19 @@ KVCAL_HOST_DEVICE bool IsNan(float x) {
   return (FloatBits(x) & 0x7fffffffu) > 0x7f800000u;
 }
 
+// For NaN and +-Inf: counts x in `nan` or `inf` and returns true (such a
+// value takes part in no other statistic). False for a finite x.
+template <typename Count>
+KVCAL_HOST_DEVICE bool CountIfNonFinite(float x, Count& nan, Count& inf) {
+  if (!IsNonFinite(x)) return false;
+  if (IsNan(x)) {
+    ++nan;
+  } else {
+    ++inf;
+  }
+  return true;
+}
+
 KVCAL_HOST_DEVICE uint32_t HistogramBinCount(uint32_t log2_bins_per_octave) {
   return kFirstOctaveBin +
          (static_cast<uint32_t>(kHistogramOctaves) << log2_bins_per_octave) +

@@ -19,14 +19,7 @@ float HeadStatistics::absmax() const {
 
 void HeadStatistics::Add(float x, uint64_t batch,
                          uint32_t log2_bins_per_octave) {
-  if (IsNonFinite(x)) {
-    if (IsNan(x)) {
-      ++nan_count;
-    } else {
-      ++inf_count;
-    }
-    return;
-  }
+  if (CountIfNonFinite(x, nan_count, inf_count)) return;
   x = CanonicalZero(x);  // min and max see -0.0 as +0.0, as every backend does
   if (x < min) min = x;
   if (x > max) max = x;

@@ -272,12 +272,11 @@ __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   const uint32_t log2_bins = accs[0].log2_bins_per_octave;
   const uint32_t bin_count = HistogramBinCount(log2_bins);
-  const uint32_t overflow = bin_count - 1;
-  const __m256i overflow_bin = _mm256_set1_epi32(static_cast<int>(overflow));
-  const __m256i bin_offset = _mm256_set1_epi32(static_cast<int>(
-      ((127 + kHistogramMinExponent) << log2_bins) - kFirstOctaveBin));
-  const __m128i mantissa_shift =
-      _mm_cvtsi32_si128(static_cast<int>(23u - log2_bins));
+  const internal::BinConstants bin_constants =
+      internal::BinConstantsFor(log2_bins);
+  const __m256i overflow_bin = _mm256_set1_epi32(bin_constants.overflow);
+  const __m256i bin_offset = _mm256_set1_epi32(bin_constants.offset);
+  const __m128i mantissa_shift = _mm_cvtsi32_si128(bin_constants.shift);
   const __m256i lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const size_t head_counters = static_cast<size_t>(bin_count) * 8;
   uint32_t* const subs =
@@ -388,7 +387,7 @@ __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
     if (single) add_fast(Load8<kDType>(q), even, sub, tail, threshold);
     if (SumsNonFinite(even, odd)) [[unlikely]] {
       RedoBlockCarefully<kDType, kHistogram>(p, pairs, single, s, sub,
-                                             overflow);
+                                             bin_constants.overflow);
     } else {
       s.even = even;
       s.odd = odd;
@@ -496,12 +495,11 @@ struct V {
   };
 
   static Bins MakeBins(uint32_t log2_bins) {
+    const internal::BinConstants c = internal::BinConstantsFor(log2_bins);
     Bins b;
-    b.shift = _mm_cvtsi32_si128(static_cast<int>(23u - log2_bins));
-    b.offset = _mm256_set1_epi32(static_cast<int>(
-        ((127 + kHistogramMinExponent) << log2_bins) - kFirstOctaveBin));
-    b.overflow =
-        _mm256_set1_epi32(static_cast<int>(HistogramBinCount(log2_bins) - 1));
+    b.shift = _mm_cvtsi32_si128(c.shift);
+    b.offset = _mm256_set1_epi32(c.offset);
+    b.overflow = _mm256_set1_epi32(c.overflow);
     b.lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return b;
   }

@@ -51,12 +51,11 @@ struct V {
   };
 
   static Bins MakeBins(uint32_t log2_bins) {
+    const internal::BinConstants c = internal::BinConstantsFor(log2_bins);
     Bins b;
-    b.shift = _mm_cvtsi32_si128(static_cast<int>(23u - log2_bins));
-    b.offset = _mm512_set1_epi32(static_cast<int>(
-        ((127 + kHistogramMinExponent) << log2_bins) - kFirstOctaveBin));
-    b.overflow =
-        _mm512_set1_epi32(static_cast<int>(HistogramBinCount(log2_bins) - 1));
+    b.shift = _mm_cvtsi32_si128(c.shift);
+    b.offset = _mm512_set1_epi32(c.offset);
+    b.overflow = _mm512_set1_epi32(c.overflow);
     b.lane = _mm512_and_si512(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(kInterleave - 1));

@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/run_kernels.h"
+#include "kernels/element_math.h"
 #include "kernels/types.h"
 
 namespace kvcal::cpu::internal {
@@ -76,6 +77,21 @@ void CarefulBlock16(DType dtype, const unsigned char* p, size_t n,
 // values of a block after its whole groups, once the block is known finite.
 void ExactStats16(DType dtype, const unsigned char* p, size_t n,
                   RunAccumulator& acc);
+
+// The histogram bin of a finite float's bits as the vector loops compute it
+// lane-wise (element_math.h HistogramBin): (|bits| >> shift) - offset,
+// clamped to [kUnderflowBin, overflow], and kZeroBin for |bits| == 0.
+struct BinConstants {
+  int shift;     // 23 - log2 bins per octave
+  int offset;    // (the first exactly binned exponent << log2) - first bin
+  int overflow;  // the overflow bin
+};
+inline BinConstants BinConstantsFor(uint32_t log2_bins) {
+  return {static_cast<int>(23u - log2_bins),
+          static_cast<int>(((127 + kHistogramMinExponent) << log2_bins) -
+                           kFirstOctaveBin),
+          static_cast<int>(HistogramBinCount(log2_bins) - 1)};
+}
 
 // True when the float is NaN or +-Inf.
 inline bool NonFiniteBits(uint32_t bits) {

@@ -50,6 +50,27 @@ float LoadValue(const unsigned char* p, size_t i) {
   }
 }
 
+// Adds finite x to acc's histogram and (with offer_tail) tail.
+inline void BinAndOffer(float x, RunAccumulator& acc, bool offer_tail = true) {
+  if (acc.histogram != nullptr) {
+    ++acc.histogram[HistogramBin(x, acc.log2_bins_per_octave)];
+  }
+  if (offer_tail && acc.tail != nullptr) {
+    const float a = std::fabs(x);
+    if (a > acc.tail->threshold()) acc.tail->Offer(a);
+  }
+}
+
+// Counts x (its zero canonical) in acc: NaN and Inf in their counts
+// (returns false: nothing more to add), else finite, min and max.
+inline bool CountFinite(float x, RunAccumulator& acc) {
+  if (CountIfNonFinite(x, acc.nan, acc.inf)) return false;
+  ++acc.finite;
+  acc.min = std::min(acc.min, x);
+  acc.max = std::max(acc.max, x);
+  return true;
+}
+
 template <DType kDType>
 void ScalarRun(const void* data, size_t n, RunAccumulator& acc) {
   const auto* p = static_cast<const unsigned char*>(data);
@@ -58,26 +79,13 @@ void ScalarRun(const void* data, size_t n, RunAccumulator& acc) {
   double sum = 0.0, sum_squares = 0.0;
   for (size_t i = 0; i < n; ++i) {
     const float x = CanonicalZero(LoadValue<kDType>(p, i));
-    if (IsNonFinite(x)) {
-      if (IsNan(x)) {
-        ++nan;
-      } else {
-        ++inf;
-      }
-      continue;
-    }
+    if (CountIfNonFinite(x, nan, inf)) continue;
     ++finite;
     mn = std::min(mn, x);
     mx = std::max(mx, x);
     sum += x;
     sum_squares += static_cast<double>(x) * x;
-    if (acc.histogram != nullptr) {
-      ++acc.histogram[HistogramBin(x, acc.log2_bins_per_octave)];
-    }
-    if (acc.tail != nullptr) {
-      const float a = std::fabs(x);
-      if (a > acc.tail->threshold()) acc.tail->Offer(a);
-    }
+    BinAndOffer(x, acc);
   }
   acc.min = mn;
   acc.max = mx;
@@ -194,23 +202,11 @@ void ScalarF32Rows(const void* data, size_t rows, size_t stride, size_t heads,
       internal::DoubleLanes& l = lanes[h];
       for (size_t i = 0; i < vector_values; ++i) {
         const float x = CanonicalZero(LoadValue<DType::kF32>(p, i));
-        if (IsNonFinite(x)) {
-          ++(IsNan(x) ? acc.nan : acc.inf);
-          continue;
-        }
-        ++acc.finite;
-        acc.min = std::min(acc.min, x);
-        acc.max = std::max(acc.max, x);
+        if (!CountFinite(x, acc)) continue;
         const size_t lane = kHistogram ? i % 8 : i % 16;
         l.sum[lane] += x;
         l.sum_squares[lane] += static_cast<double>(x) * x;
-        if (acc.histogram != nullptr) {
-          ++acc.histogram[HistogramBin(x, acc.log2_bins_per_octave)];
-        }
-        if (acc.tail != nullptr) {
-          const float a = std::fabs(x);
-          if (a > acc.tail->threshold()) acc.tail->Offer(a);
-        }
+        BinAndOffer(x, acc);
       }
       if (rest != 0) {
         ScalarRun<DType::kF32>(p + (length - rest) * 4, rest, acc);
@@ -240,26 +236,14 @@ void AddExact16(const unsigned char* p, size_t begin, size_t end,
                 internal::DoubleLanes* lanes) {
   for (size_t i = begin; i < end; ++i) {
     const float x = CanonicalZero(LoadValue<kDType>(p, i));
-    if (IsNonFinite(x)) {
-      ++(IsNan(x) ? acc.nan : acc.inf);
-      continue;
-    }
-    ++acc.finite;
-    acc.min = std::min(acc.min, x);
-    acc.max = std::max(acc.max, x);
+    if (!CountFinite(x, acc)) continue;
     if (lanes != nullptr) {
       const size_t lane = internal::Lane16(kDType, i % internal::kGroupValues) %
                           internal::kLanes;
       lanes->sum[lane] += static_cast<double>(x);
       lanes->sum_squares[lane] += static_cast<double>(x) * x;
     }
-    if (acc.histogram != nullptr) {
-      ++acc.histogram[HistogramBin(x, acc.log2_bins_per_octave)];
-    }
-    if (offer_tail && acc.tail != nullptr) {
-      const float a = std::fabs(x);
-      if (a > acc.tail->threshold()) acc.tail->Offer(a);
-    }
+    BinAndOffer(x, acc, offer_tail);
   }
 }
 

@@ -245,13 +245,27 @@ class CudaBackend final : public CudaStatisticsBackend {
   absl::string_view name() const override { return "cuda"; }
   const Geometry& geometry() const override { return geometry_; }
 
-  absl::Status Accumulate(const ChunkView& chunk) override {
+  // Validates `chunk`; unless it is empty, runs fn(extent) under the lock,
+  // on the device, when the backend is healthy.
+  template <typename Fn>
+  absl::Status WithChunkLocked(const ChunkView& chunk, Fn&& fn) {
     KVCAL_ASSIGN_OR_RETURN(const ChunkExtent extent,
                            ValidateChunk(geometry_, chunk));
     if (extent.elements() == 0) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
     KVCAL_RETURN_IF_ERROR(CheckHealthyLocked());
     KVCAL_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Enter(device_));
+    return fn(extent);
+  }
+
+  absl::Status Accumulate(const ChunkView& chunk) override {
+    return WithChunkLocked(chunk, [&](const ChunkExtent& extent) {
+      return AccumulateLocked(chunk, extent);
+    });
+  }
+
+  absl::Status AccumulateLocked(const ChunkView& chunk,
+                                const ChunkExtent& extent) {
     // Neither of these enqueues anything, so their failure leaves the state
     // intact.
     KVCAL_RETURN_IF_ERROR(EnsureStagingLocked());
@@ -296,12 +310,14 @@ class CudaBackend final : public CudaStatisticsBackend {
       return absl::InvalidArgumentError(
           "device data must be one range (chunk.data), not pieces");
     }
-    KVCAL_ASSIGN_OR_RETURN(const ChunkExtent extent,
-                           ValidateChunk(geometry_, chunk));
-    if (extent.elements() == 0) return absl::OkStatus();
-    std::lock_guard<std::mutex> lock(mu_);
-    KVCAL_RETURN_IF_ERROR(CheckHealthyLocked());
-    KVCAL_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Enter(device_));
+    return WithChunkLocked(chunk, [&](const ChunkExtent& extent) {
+      return AccumulateDeviceDataLocked(chunk, extent, ready);
+    });
+  }
+
+  absl::Status AccumulateDeviceDataLocked(const ChunkView& chunk,
+                                          const ChunkExtent& extent,
+                                          CUevent_st* ready) {
     KVCAL_RETURN_IF_ERROR(CheckDeviceData(chunk));
     if (ready != nullptr) {
       // Changes no state (a later failure leaves only a harmless wait
@@ -637,44 +653,78 @@ class CudaBackend final : public CudaStatisticsBackend {
     return absl::OkStatus();
   }
 
+  // Host copies of the device state's arrays, sized as the device arrays
+  // (the batch tables: `batch_rows` rows of heads).
+  struct HostState {
+    std::vector<uint32_t> min_key_inverted, max_key;
+    std::vector<unsigned long long> counts;
+    std::vector<double> sums;
+    std::vector<unsigned long long> histogram;
+    std::vector<float> tail;
+    std::vector<uint32_t> tail_size, tail_floor;
+    std::vector<uint32_t> batch_min, batch_max;
+  };
+
+  HostState MakeHostState(size_t batch_rows) const {
+    HostState host;
+    host.min_key_inverted.resize(min_key_inverted_.size());
+    host.max_key.resize(max_key_.size());
+    host.counts.resize(counts_.size());
+    host.sums.resize(sums_.size());
+    host.histogram.resize(histogram_.size());
+    host.tail.resize(tail_.size());
+    host.tail_size.resize(tail_size_.size());
+    host.tail_floor.resize(tail_floor_bits_.size());
+    host.batch_min.resize(batch_rows * heads_total_);
+    host.batch_max.resize(batch_rows * heads_total_);
+    return host;
+  }
+
+  // Copies every array of the state between `host` and the device (`kind`:
+  // cudaMemcpyDeviceToHost or cudaMemcpyHostToDevice) on the compute stream
+  // and waits for the copies.
+  absl::Status CopyStateLocked(HostState& host, cudaMemcpyKind kind) {
+    struct Array {
+      void* host;
+      void* device;
+      size_t bytes;
+    };
+    auto array = [](auto& host_vector, auto* device) {
+      return Array{host_vector.data(), device,
+                   host_vector.size() * sizeof(host_vector[0])};
+    };
+    const Array arrays[] = {
+        array(host.min_key_inverted, min_key_inverted_.get()),
+        array(host.max_key, max_key_.get()),
+        array(host.counts, counts_.get()),
+        array(host.sums, sums_.get()),
+        array(host.histogram, histogram_.get()),
+        array(host.tail, tail_.get()),
+        array(host.tail_size, tail_size_.get()),
+        array(host.tail_floor, tail_floor_bits_.get()),
+        array(host.batch_min, batch_min_key_inverted_.get()),
+        array(host.batch_max, batch_max_key_.get()),
+    };
+    const bool to_host = kind == cudaMemcpyDeviceToHost;
+    cudaStream_t stream = compute_.get();
+    for (const Array& a : arrays) {
+      if (a.bytes == 0) continue;
+      KVCAL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(to_host ? a.host : a.device,
+                                                 to_host ? a.device : a.host,
+                                                 a.bytes, kind, stream));
+    }
+    KVCAL_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return absl::OkStatus();
+  }
+
   // Copies the device state into `stats` (freshly constructed). The device
   // must be idle (SynchronizeLocked).
   absl::Status DownloadLocked(SessionStatistics& stats) {
     const size_t heads = heads_total_;
-    const size_t used_slots = batch_slots_.size();
-    std::vector<uint32_t> min_key_inverted(heads), max_key(heads);
-    std::vector<unsigned long long> counts(3 * heads);
-    std::vector<double> sums(2 * heads);
-    std::vector<unsigned long long> histogram(histogram_.size());
-    std::vector<float> tail(tail_.size());
-    std::vector<uint32_t> tail_size(tail_size_.size());
-    std::vector<uint32_t> batch_min(used_slots * heads),
-        batch_max(used_slots * heads);
-    cudaStream_t stream = compute_.get();
-    auto download = [stream](void* host, const void* device, size_t bytes) {
-      return bytes == 0 ? cudaSuccess
-                        : cudaMemcpyAsync(host, device, bytes,
-                                          cudaMemcpyDeviceToHost, stream);
-    };
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        download(min_key_inverted.data(), min_key_inverted_.get(), heads * 4));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        download(max_key.data(), max_key_.get(), heads * 4));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        download(counts.data(), counts_.get(), counts_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        download(sums.data(), sums_.get(), sums_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        download(histogram.data(), histogram_.get(), histogram_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        download(tail.data(), tail_.get(), tail_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        download(tail_size.data(), tail_size_.get(), tail_size_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(download(
-        batch_min.data(), batch_min_key_inverted_.get(), batch_min.size() * 4));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        download(batch_max.data(), batch_max_key_.get(), batch_max.size() * 4));
-    KVCAL_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    HostState host = MakeHostState(batch_slots_.size());
+    KVCAL_RETURN_IF_ERROR(CopyStateLocked(host, cudaMemcpyDeviceToHost));
+    const auto& [min_key_inverted, max_key, counts, sums, histogram, tail,
+                 tail_size, tail_floor, batch_min, batch_max] = host;
 
     for (size_t h = 0; h < heads; ++h) {
       HeadStatistics& head = stats.heads()[h];
@@ -730,15 +780,9 @@ class CudaBackend final : public CudaStatisticsBackend {
       batch_slots_.emplace(batch, static_cast<uint32_t>(batch_slots_.size()));
     }
 
-    std::vector<uint32_t> min_key_inverted(heads), max_key(heads);
-    std::vector<unsigned long long> counts(3 * heads);
-    std::vector<double> sums(2 * heads);
-    std::vector<unsigned long long> histogram(histogram_.size());
-    std::vector<float> tail(tail_.size());
-    std::vector<uint32_t> tail_size(tail_size_.size()),
-        tail_floor(tail_floor_bits_.size());
-    std::vector<uint32_t> batch_min(batches.size() * heads),
-        batch_max(batches.size() * heads);
+    HostState host = MakeHostState(batches.size());
+    auto& [min_key_inverted, max_key, counts, sums, histogram, tail, tail_size,
+           tail_floor, batch_min, batch_max] = host;
     for (size_t h = 0; h < heads; ++h) {
       const HeadStatistics& head = stats.heads()[h];
       min_key_inverted[h] = head.finite_count == 0 ? 0 : EncodeMin(head.min);
@@ -766,33 +810,8 @@ class CudaBackend final : public CudaStatisticsBackend {
         batch_max[row + h] = EncodeMax(extrema.max);
       }
     }
-    cudaStream_t stream = compute_.get();
-    auto upload = [stream](void* device, const void* host, size_t bytes) {
-      return bytes == 0 ? cudaSuccess
-                        : cudaMemcpyAsync(device, host, bytes,
-                                          cudaMemcpyHostToDevice, stream);
-    };
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        upload(min_key_inverted_.get(), min_key_inverted.data(), heads * 4));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        upload(max_key_.get(), max_key.data(), heads * 4));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        upload(counts_.get(), counts.data(), counts_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(upload(sums_.get(), sums.data(), sums_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        upload(histogram_.get(), histogram.data(), histogram_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(upload(tail_.get(), tail.data(), tail_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        upload(tail_size_.get(), tail_size.data(), tail_size_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(upload(tail_floor_bits_.get(), tail_floor.data(),
-                                      tail_floor_bits_.bytes()));
-    KVCAL_CUDA_RETURN_IF_ERROR(upload(batch_min_key_inverted_.get(),
-                                      batch_min.data(), batch_min.size() * 4));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        upload(batch_max_key_.get(), batch_max.data(), batch_max.size() * 4));
-    // The host vectors die on return.
-    KVCAL_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-    return absl::OkStatus();
+    // (CopyStateLocked waits: the host vectors die on return.)
+    return CopyStateLocked(host, cudaMemcpyHostToDevice);
   }
 
   const Geometry geometry_;

@@ -304,14 +304,7 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
       for (int v = 0; v < kValues; ++v) {
         const float x = CanonicalZero(decoded[v]);
         if (!valid[u]) continue;
-        if (IsNonFinite(x)) {
-          if (IsNan(x)) {
-            ++nan;
-          } else {
-            ++inf;
-          }
-          continue;
-        }
+        if (CountIfNonFinite(x, nan, inf)) continue;
         ++finite;
         min_value = fminf(min_value, x);
         max_value = fmaxf(max_value, x);
