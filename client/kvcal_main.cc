@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <sstream>
@@ -542,176 +543,210 @@ absl::StatusOr<CommandResult> RunReport(const Args& a) {
   return CommandResult{out};
 }
 
+void AddJsonFlag(CLI::App* sub, Args& a) {
+  sub->add_flag("--json", a.json, "machine-readable output on stdout");
+}
+
+CLI::App* AddCreateCommand(CLI::App& app, Args& a) {
+  CLI::App* sub = app.add_subcommand(
+      "create",
+      "create a session with the geometry of a Hugging Face config.json");
+  AddConnection(sub, a.connection);
+  sub->add_option("--config", a.config, "MODEL_DIR/config.json")->required();
+  sub->add_option("--session", a.session,
+                  "session id (default: the worker picks)");
+  sub->add_option("--histograms", a.histograms,
+                  "histogram bins per octave (power of two 1..128; 0 = none)")
+      ->capture_default_str();
+  sub->add_option("--holdout-budget-bytes", a.holdout_budget_bytes,
+                  "bytes of held-out batches the worker keeps for "
+                  "finalize --evaluate (0 = its default, 64 MiB)");
+  AddJsonFlag(sub, a);
+  return sub;
+}
+
+CLI::App* AddPushCommand(CLI::App& app, Args& a) {
+  CLI::App* sub = app.add_subcommand(
+      "push", "stream an activation dump directory into a session");
+  AddConnection(sub, a.connection);
+  sub->add_option("--session", a.session, "session id")->required();
+  sub->add_option("--producer", a.producer,
+                  "producer name (one per data-parallel rank)")
+      ->capture_default_str();
+  sub->add_option("--chunk-bytes", a.chunk_bytes,
+                  "split tensors into chunks of at most this many bytes")
+      ->capture_default_str();
+  sub->add_option("--window", a.window, "chunks in flight per worker")
+      ->capture_default_str();
+  sub->add_flag("--resume", a.resume,
+                "continue an interrupted push of the same dump: skip what the "
+                "worker already applied");
+  sub->add_flag("--shm", a.shm,
+                "same-host shared memory: send chunks as references into a "
+                "shared-memory ring the worker maps (in-band when the worker "
+                "is on another host; docs/shared_memory.md)");
+  sub->add_option("--holdout-batches", a.holdout_batches,
+                  "send the last N batches of the dump as held out: the "
+                  "worker keeps them for `finalize --evaluate` and "
+                  "`--observer auto` instead of calibrating on them")
+      ->capture_default_str();
+  sub->add_option("DUMP_DIR", a.dump_dir, "directory of *.safetensors dumps")
+      ->required();
+  AddJsonFlag(sub, a);
+  return sub;
+}
+
+CLI::App* AddStatusCommand(CLI::App& app, Args& a) {
+  CLI::App* sub =
+      app.add_subcommand("status", "show sessions and their counters");
+  AddConnection(sub, a.connection);
+  sub->add_option("--session", a.session, "one session (default: all)");
+  AddJsonFlag(sub, a);
+  return sub;
+}
+
+CLI::App* AddFinalizeCommand(CLI::App& app, Args& a) {
+  CLI::App* sub = app.add_subcommand(
+      "finalize", "compute scales and write them to a scales file");
+  AddConnection(sub, a.connection);
+  sub->add_option("--session", a.session, "session id")->required();
+  AddFinalize(sub, a.finalize);
+  sub->add_option("-o,--output", a.output, "scales.safetensors to write")
+      ->required();
+  AddJsonFlag(sub, a);
+  return sub;
+}
+
+CLI::App* AddPatchCommand(CLI::App& app, Args& a) {
+  CLI::App* sub = app.add_subcommand(
+      "patch", "write a scales file into a checkpoint so vLLM loads it");
+  sub->add_option("--checkpoint", a.checkpoint, "MODEL_DIR")->required();
+  sub->add_option("--scales", a.scales, "scales.safetensors from finalize")
+      ->required();
+  sub->add_option(
+      "--out", a.out_dir,
+      "write a patched copy here (default: patch in place, crash-safe)");
+  sub->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
+      ->capture_default_str();
+  AddJsonFlag(sub, a);
+  return sub;
+}
+
+CLI::App* AddInspectCommand(CLI::App& app, Args& a) {
+  CLI::App* sub = app.add_subcommand(
+      "inspect",
+      "check a checkpoint's KV-cache scales the way vLLM reads them");
+  sub->add_option("MODEL_DIR", a.checkpoint, "checkpoint directory")
+      ->required();
+  sub->add_option("--kv-cache-dtype", a.kv_cache_dtype,
+                  "the --kv-cache-dtype vLLM will run with (auto, fp8, ...)")
+      ->capture_default_str();
+  sub->add_option("--platform", a.platform,
+                  "cuda, or rocm (fp8 e4m3fnuz hardware such as MI300)")
+      ->capture_default_str();
+  AddJsonFlag(sub, a);
+  return sub;
+}
+
+CLI::App* AddCalibrateCommand(CLI::App& app, Args& a) {
+  CLI::App* sub = app.add_subcommand(
+      "calibrate", "create, push, finalize and patch in one go");
+  AddConnection(sub, a.connection);
+  sub->add_option("--checkpoint", a.checkpoint, "MODEL_DIR to patch")
+      ->required();
+  sub->add_option("--config", a.config,
+                  "config.json (default: MODEL_DIR/config.json)");
+  sub->add_option("--session", a.session,
+                  "session id (default: the worker picks)");
+  sub->add_option("--histograms", a.histograms, "bins per octave")
+      ->capture_default_str();
+  sub->add_option("--producer", a.producer, "producer name")
+      ->capture_default_str();
+  sub->add_option("--chunk-bytes", a.chunk_bytes, "chunk size limit")
+      ->capture_default_str();
+  sub->add_flag("--shm", a.shm,
+                "same-host shared memory for the push (see push --shm)");
+  AddFinalize(sub, a.finalize);
+  sub->add_option("-o,--output", a.output,
+                  "scales file (default: ./kvcal-scales-SESSION.safetensors)");
+  sub->add_option("--out", a.out_dir, "write a patched copy here");
+  sub->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
+      ->capture_default_str();
+  sub->add_option("DUMP_DIR", a.dump_dir, "directory of *.safetensors dumps")
+      ->required();
+  AddJsonFlag(sub, a);
+  return sub;
+}
+
+CLI::App* AddReportCommand(CLI::App& app, Args& a) {
+  CLI::App* sub = app.add_subcommand(
+      "report",
+      "write a self-contained HTML report: scales, histograms with each "
+      "observer's clip point, estimated errors, evaluation results and a "
+      "recommendation");
+  sub->add_option("--server", a.connection.servers,
+                  "worker host:port (with --session); several for a "
+                  "sharded session")
+      ->envname("KVCAL_SERVER")
+      ->delimiter(',');
+  sub->add_option("--auth-token-file", a.connection.auth_token_file,
+                  "file holding the bearer token the workers expect")
+      ->envname("KVCAL_AUTH_TOKEN_FILE");
+  sub->add_option("--tls-ca", a.connection.tls_ca, "PEM CA bundle");
+  sub->add_option("--tls-cert", a.connection.tls_cert,
+                  "PEM client certificate");
+  sub->add_option("--tls-key", a.connection.tls_key, "PEM client key");
+  sub->add_option("--session", a.session,
+                  "a live session: its statistics (histograms, maxima)");
+  sub->add_option("--scales", a.scales,
+                  "a scales file from finalize (without a session: the "
+                  "scales only)");
+  sub->add_option("--eval", a.evaluations,
+                  "kvcal.torch.evaluate results (Evaluation.to_json); "
+                  "repeat for several");
+  sub->add_option("--format", a.report_format,
+                  "fp8-e4m3fn|fp8-e4m3fnuz|fp8-e5m2|int8")
+      ->capture_default_str();
+  sub->add_option("-o,--output", a.output, "report.html to write")->required();
+  AddJsonFlag(sub, a);
+  return sub;
+}
+
+CLI::App* AddDemoCommand(CLI::App& app, Args& a) {
+  CLI::App* sub = app.add_subcommand(
+      "demo", "start a local worker, calibrate a generated model end to end");
+  sub->add_option("--dir", a.demo.dir,
+                  "where to write (default: a new /tmp dir)");
+  sub->add_option("--worker", a.demo.worker,
+                  "kvcal-worker binary (default: next to kvcal, then PATH)");
+  sub->add_option("--backend", a.demo.backend, "worker backend: auto|cpu|cuda")
+      ->capture_default_str();
+  AddJsonFlag(sub, a);
+  return sub;
+}
+
 int Main(int argc, char** argv) {
   CLI::App app{
       "kvcal: calibrate FP8 KV-cache (and query) scales with kvcal "
       "workers and write them into Hugging Face checkpoints"};
   app.require_subcommand(1);
   Args a;
-  auto json_flag = [&](CLI::App* sub) {
-    sub->add_flag("--json", a.json, "machine-readable output on stdout");
+  using Run = std::function<absl::StatusOr<CommandResult>(Args&)>;
+  const std::pair<CLI::App*, Run> commands[] = {
+      {AddCreateCommand(app, a), RunCreate},
+      {AddPushCommand(app, a), RunPush},
+      {AddStatusCommand(app, a), RunStatus},
+      {AddFinalizeCommand(app, a), RunFinalize},
+      {AddPatchCommand(app, a), RunPatch},
+      {AddInspectCommand(app, a), RunInspect},
+      {AddCalibrateCommand(app, a), RunCalibrate},
+      {AddReportCommand(app, a), RunReport},
+      {AddDemoCommand(app, a),
+       [](Args& args) {
+         args.demo.json = args.json;
+         return RunDemo(args.demo);
+       }},
   };
-
-  CLI::App* create = app.add_subcommand(
-      "create",
-      "create a session with the geometry of a Hugging Face config.json");
-  AddConnection(create, a.connection);
-  create->add_option("--config", a.config, "MODEL_DIR/config.json")->required();
-  create->add_option("--session", a.session,
-                     "session id (default: the worker picks)");
-  create
-      ->add_option("--histograms", a.histograms,
-                   "histogram bins per octave (power of two 1..128; 0 = none)")
-      ->capture_default_str();
-  create->add_option("--holdout-budget-bytes", a.holdout_budget_bytes,
-                     "bytes of held-out batches the worker keeps for "
-                     "finalize --evaluate (0 = its default, 64 MiB)");
-  json_flag(create);
-
-  CLI::App* push = app.add_subcommand(
-      "push", "stream an activation dump directory into a session");
-  AddConnection(push, a.connection);
-  push->add_option("--session", a.session, "session id")->required();
-  push->add_option("--producer", a.producer,
-                   "producer name (one per data-parallel rank)")
-      ->capture_default_str();
-  push->add_option("--chunk-bytes", a.chunk_bytes,
-                   "split tensors into chunks of at most this many bytes")
-      ->capture_default_str();
-  push->add_option("--window", a.window, "chunks in flight per worker")
-      ->capture_default_str();
-  push->add_flag("--resume", a.resume,
-                 "continue an interrupted push of the same dump: skip what the "
-                 "worker already applied");
-  push->add_flag("--shm", a.shm,
-                 "same-host shared memory: send chunks as references into a "
-                 "shared-memory ring the worker maps (in-band when the worker "
-                 "is on another host; docs/shared_memory.md)");
-  push->add_option("--holdout-batches", a.holdout_batches,
-                   "send the last N batches of the dump as held out: the "
-                   "worker keeps them for `finalize --evaluate` and "
-                   "`--observer auto` instead of calibrating on them")
-      ->capture_default_str();
-  push->add_option("DUMP_DIR", a.dump_dir, "directory of *.safetensors dumps")
-      ->required();
-  json_flag(push);
-
-  CLI::App* status =
-      app.add_subcommand("status", "show sessions and their counters");
-  AddConnection(status, a.connection);
-  status->add_option("--session", a.session, "one session (default: all)");
-  json_flag(status);
-
-  CLI::App* finalize = app.add_subcommand(
-      "finalize", "compute scales and write them to a scales file");
-  AddConnection(finalize, a.connection);
-  finalize->add_option("--session", a.session, "session id")->required();
-  AddFinalize(finalize, a.finalize);
-  finalize->add_option("-o,--output", a.output, "scales.safetensors to write")
-      ->required();
-  json_flag(finalize);
-
-  CLI::App* patch = app.add_subcommand(
-      "patch", "write a scales file into a checkpoint so vLLM loads it");
-  patch->add_option("--checkpoint", a.checkpoint, "MODEL_DIR")->required();
-  patch->add_option("--scales", a.scales, "scales.safetensors from finalize")
-      ->required();
-  patch->add_option(
-      "--out", a.out_dir,
-      "write a patched copy here (default: patch in place, crash-safe)");
-  patch->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
-      ->capture_default_str();
-  json_flag(patch);
-
-  CLI::App* inspect = app.add_subcommand(
-      "inspect",
-      "check a checkpoint's KV-cache scales the way vLLM reads them");
-  inspect->add_option("MODEL_DIR", a.checkpoint, "checkpoint directory")
-      ->required();
-  inspect
-      ->add_option("--kv-cache-dtype", a.kv_cache_dtype,
-                   "the --kv-cache-dtype vLLM will run with (auto, fp8, ...)")
-      ->capture_default_str();
-  inspect
-      ->add_option("--platform", a.platform,
-                   "cuda, or rocm (fp8 e4m3fnuz hardware such as MI300)")
-      ->capture_default_str();
-  json_flag(inspect);
-
-  CLI::App* calibrate = app.add_subcommand(
-      "calibrate", "create, push, finalize and patch in one go");
-  AddConnection(calibrate, a.connection);
-  calibrate->add_option("--checkpoint", a.checkpoint, "MODEL_DIR to patch")
-      ->required();
-  calibrate->add_option("--config", a.config,
-                        "config.json (default: MODEL_DIR/config.json)");
-  calibrate->add_option("--session", a.session,
-                        "session id (default: the worker picks)");
-  calibrate->add_option("--histograms", a.histograms, "bins per octave")
-      ->capture_default_str();
-  calibrate->add_option("--producer", a.producer, "producer name")
-      ->capture_default_str();
-  calibrate->add_option("--chunk-bytes", a.chunk_bytes, "chunk size limit")
-      ->capture_default_str();
-  calibrate->add_flag("--shm", a.shm,
-                      "same-host shared memory for the push (see push --shm)");
-  AddFinalize(calibrate, a.finalize);
-  calibrate->add_option(
-      "-o,--output", a.output,
-      "scales file (default: ./kvcal-scales-SESSION.safetensors)");
-  calibrate->add_option("--out", a.out_dir, "write a patched copy here");
-  calibrate
-      ->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
-      ->capture_default_str();
-  calibrate
-      ->add_option("DUMP_DIR", a.dump_dir, "directory of *.safetensors dumps")
-      ->required();
-  json_flag(calibrate);
-
-  CLI::App* report = app.add_subcommand(
-      "report",
-      "write a self-contained HTML report: scales, histograms with each "
-      "observer's clip point, estimated errors, evaluation results and a "
-      "recommendation");
-  report
-      ->add_option("--server", a.connection.servers,
-                   "worker host:port (with --session); several for a "
-                   "sharded session")
-      ->envname("KVCAL_SERVER")
-      ->delimiter(',');
-  report
-      ->add_option("--auth-token-file", a.connection.auth_token_file,
-                   "file holding the bearer token the workers expect")
-      ->envname("KVCAL_AUTH_TOKEN_FILE");
-  report->add_option("--tls-ca", a.connection.tls_ca, "PEM CA bundle");
-  report->add_option("--tls-cert", a.connection.tls_cert,
-                     "PEM client certificate");
-  report->add_option("--tls-key", a.connection.tls_key, "PEM client key");
-  report->add_option("--session", a.session,
-                     "a live session: its statistics (histograms, maxima)");
-  report->add_option("--scales", a.scales,
-                     "a scales file from finalize (without a session: the "
-                     "scales only)");
-  report->add_option("--eval", a.evaluations,
-                     "kvcal.torch.evaluate results (Evaluation.to_json); "
-                     "repeat for several");
-  report
-      ->add_option("--format", a.report_format,
-                   "fp8-e4m3fn|fp8-e4m3fnuz|fp8-e5m2|int8")
-      ->capture_default_str();
-  report->add_option("-o,--output", a.output, "report.html to write")
-      ->required();
-  json_flag(report);
-
-  CLI::App* demo = app.add_subcommand(
-      "demo", "start a local worker, calibrate a generated model end to end");
-  demo->add_option("--dir", a.demo.dir,
-                   "where to write (default: a new /tmp dir)");
-  demo->add_option("--worker", a.demo.worker,
-                   "kvcal-worker binary (default: next to kvcal, then PATH)");
-  demo->add_option("--backend", a.demo.backend, "worker backend: auto|cpu|cuda")
-      ->capture_default_str();
-  json_flag(demo);
 
   try {
     app.parse(argc, argv);
@@ -720,18 +755,9 @@ int Main(int argc, char** argv) {
   }
   CLI::App* chosen = app.get_subcommands().front();
   const std::string name = chosen->get_name();
-  absl::StatusOr<CommandResult> result;
-  if (chosen == create) result = RunCreate(a);
-  if (chosen == push) result = RunPush(a);
-  if (chosen == status) result = RunStatus(a);
-  if (chosen == finalize) result = RunFinalize(a);
-  if (chosen == patch) result = RunPatch(a);
-  if (chosen == inspect) result = RunInspect(a);
-  if (chosen == calibrate) result = RunCalibrate(a);
-  if (chosen == report) result = RunReport(a);
-  if (chosen == demo) {
-    a.demo.json = a.json;
-    result = RunDemo(a.demo);
+  absl::StatusOr<CommandResult> result = absl::InternalError("no command ran");
+  for (const auto& [sub, run] : commands) {
+    if (sub == chosen) result = run(a);
   }
   if (!result.ok()) {
     const std::string message =

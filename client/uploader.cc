@@ -220,272 +220,340 @@ absl::StatusOr<uint64_t> Uploader::Watermark(bool wait_for_ready) {
   return state.sequence;
 }
 
-absl::StatusOr<UploadResult> Uploader::Upload(
-    absl::Span<const ChunkView> tensors) {
-  std::vector<ChunkView> chunks;
-  for (const ChunkView& t : tensors) {
-    for (ChunkView& part :
-         SplitChunk(t, options_.max_chunk_bytes,
-                    options_.holdout_batches.count(t.batch) > 0)) {
-      chunks.push_back(std::move(part));
+// One Upload call: the chunks, what the worker has acknowledged, the
+// shared-memory ring and the retry state. Go() runs the steps: Start (the
+// watermark, the resume rule, the ring), SendAll (Ingest streams from the
+// watermark on, reconnecting after a cut), then with wait_durable the
+// durable wait (which may send again after a worker restart).
+class Uploader::Run {
+ public:
+  Run(Uploader& uploader, absl::Span<const ChunkView> tensors)
+      : uploader_(uploader),
+        options_(uploader.options_),
+        counters_(*options_.counters),
+        who_(absl::StrCat("session ", options_.session_id, ", producer ",
+                          options_.producer_id)),
+        backoff_(options_.initial_backoff) {
+    for (const ChunkView& t : tensors) {
+      for (ChunkView& part :
+           SplitChunk(t, options_.max_chunk_bytes,
+                      options_.holdout_batches.count(t.batch) > 0)) {
+        chunks_.push_back(std::move(part));
+      }
     }
+    n_ = chunks_.size();
+    bytes_before_.assign(n_ + 1, 0);
+    for (uint64_t i = 0; i < n_; ++i) {
+      bytes_before_[i + 1] = bytes_before_[i] + chunks_[i].data.size();
+    }
+    result_.chunks = n_;
+    result_.bytes = bytes_before_[n_];
   }
-  const uint64_t n = chunks.size();
-  // bytes_before[s] = data bytes of chunks 1..s.
-  std::vector<uint64_t> bytes_before(n + 1, 0);
-  for (uint64_t i = 0; i < n; ++i) {
-    bytes_before[i + 1] = bytes_before[i] + chunks[i].data.size();
-  }
-  UploadResult result;
-  result.chunks = n;
-  result.bytes = bytes_before[n];
-  UploadCounters& counters = *options_.counters;
-  const std::string who = absl::StrCat("session ", options_.session_id,
-                                       ", producer ", options_.producer_id);
 
-  KVCAL_ASSIGN_OR_RETURN(uint64_t acked, Watermark(/*wait_for_ready=*/true));
-  if (acked > 0 && !options_.resume) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        who, " already has ", acked,
-        " chunks applied; use a new producer name, or resume to finish an "
-        "interrupted push of the same dump"));
+  absl::StatusOr<UploadResult> Go() {
+    KVCAL_RETURN_IF_ERROR(Start());
+    for (;;) {
+      KVCAL_RETURN_IF_ERROR(SendAll());
+      if (!options_.wait_durable) break;
+      KVCAL_ASSIGN_OR_RETURN(const bool durable, Durable());
+      if (durable) break;
+    }
+    return result_;
   }
-  if (acked > n) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        who, " has ", acked, " chunks applied but this dump makes only ", n,
-        ": not the same dump (or a different chunk size)"));
-  }
-  result.chunks_skipped = acked;
-  // Counters may be shared by several uploaders (one per worker): publish
-  // differences, not absolute values.
-  uint64_t published = 0;
-  auto publish = [&](uint64_t now) {
-    counters.chunks_acked.fetch_add(now - published);
-    counters.bytes_acked.fetch_add(bytes_before[now] - bytes_before[published]);
-    published = now;
-  };
-  publish(acked);
 
-  // Same-host shared memory, when asked and the worker can read it.
-  std::unique_ptr<SharedMemoryRing> ring;
-  auto fall_back = [&](const absl::Status& why) {
-    ring.reset();
-    result.shared_memory = false;
-    result.shared_memory_fallback = std::string(why.message());
-    std::cerr << "kvcal: " << who
-              << ": shared memory not used, sending chunks in-band ("
-              << why.message() << ")\n";
+ private:
+  // How one Ingest stream ended.
+  struct StreamEnd {
+    grpc::Status finish;
+    absl::Status protocol_error;  // the worker broke the protocol
+    bool cut = false;             // on_ack asked to stop
   };
-  // (Re)registers the ring with the current worker. OK when registered or
-  // fallen back to in-band; else the error (retriable ones are retried).
-  auto register_ring = [&]() -> absl::Status {
-    if (ring == nullptr) return absl::OkStatus();
-    absl::Status s = ring->Register(channel_, connection_);
-    if (s.ok() || !SharedMemoryFallsBack(s)) return s;
-    fall_back(s);
+
+  // Learns the watermark, applies the resume rule, sets up shared memory.
+  absl::Status Start() {
+    KVCAL_ASSIGN_OR_RETURN(acked_,
+                           uploader_.Watermark(/*wait_for_ready=*/true));
+    if (acked_ > 0 && !options_.resume) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          who_, " already has ", acked_,
+          " chunks applied; use a new producer name, or resume to finish an "
+          "interrupted push of the same dump"));
+    }
+    if (acked_ > n_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          who_, " has ", acked_, " chunks applied but this dump makes only ",
+          n_, ": not the same dump (or a different chunk size)"));
+    }
+    result_.chunks_skipped = acked_;
+    best_ = acked_;
+    Publish(acked_);
+    if (options_.shared_memory && acked_ < n_) {
+      size_t slot_bytes = 0;
+      for (const ChunkView& c : chunks_) {
+        slot_bytes = std::max(slot_bytes, c.data.size());
+      }
+      absl::StatusOr<std::unique_ptr<SharedMemoryRing>> created =
+          SharedMemoryRing::Create(options_.window, slot_bytes);
+      if (!created.ok()) {
+        FallBack(created.status());
+        return absl::OkStatus();
+      }
+      ring_ = *std::move(created);
+      result_.shared_memory = true;
+      KVCAL_RETURN_IF_ERROR(RegisterRing());
+    }
     return absl::OkStatus();
-  };
-  if (options_.shared_memory && acked < n) {
-    size_t slot_bytes = 0;
-    for (const ChunkView& c : chunks) {
-      slot_bytes = std::max(slot_bytes, c.data.size());
-    }
-    absl::StatusOr<std::unique_ptr<SharedMemoryRing>> created =
-        SharedMemoryRing::Create(options_.window, slot_bytes);
-    if (created.ok()) {
-      ring = *std::move(created);
-      result.shared_memory = true;
-      KVCAL_RETURN_IF_ERROR(register_ring());
-    } else {
-      fall_back(created.status());
-    }
   }
 
-  bool needs_register = false;  // set after a reconnect
-  int attempts = 0;
-  absl::Duration backoff = options_.initial_backoff;
-  absl::Status last_error;
-  // The most ever acknowledged: only getting past it is progress (a worker
-  // that crashes on a chunk and restarts from a snapshot re-acknowledges
-  // the same chunks again and again).
-  uint64_t best = acked;
-  // Backs off before the next try; false once max_attempts tries in a row
-  // made no progress.
-  auto another_attempt = [&] {
-    if (++attempts > options_.max_attempts) return false;
-    absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, options_.max_backoff);
-    return true;
-  };
-  auto gave_up = [&] {
-    return absl::UnavailableError(
-        absl::StrCat(who, ": gave up after ", options_.max_attempts,
-                     " attempts without progress at sequence ", acked + 1,
-                     "; last error: ", last_error.message()));
-  };
-  absl::Time durable_deadline = absl::InfiniteFuture();
-  absl::Duration durable_poll = absl::Milliseconds(50);
-  for (;;) {
-    while (acked < n) {
-      if (needs_register) {
-        if (absl::Status registered = register_ring(); !registered.ok()) {
+  // Streams until every chunk is acknowledged, reconnecting after cuts.
+  absl::Status SendAll() {
+    while (acked_ < n_) {
+      if (needs_register_) {
+        if (absl::Status registered = RegisterRing(); !registered.ok()) {
           if (!Retriable(registered)) return registered;
-          last_error = registered;
-          if (!another_attempt()) return gave_up();
+          last_error_ = registered;
+          if (!AnotherAttempt()) return GaveUp();
           continue;
         }
-        needs_register = false;
+        needs_register_ = false;
       }
-      const uint64_t start = acked + 1;
-      grpc::ClientContext context;
-      PrepareContext(context, connection_, absl::InfiniteDuration());
-      std::unique_ptr<
-          grpc::ClientReaderWriter<v1::IngestRequest, v1::IngestResponse>>
-          stream = stub_->Ingest(&context);
-
-      std::mutex mu;
-      std::condition_variable cv;
-      uint64_t stream_acked = start - 1;  // guarded by mu
-      bool stop = false;                  // guarded by mu
-      uint64_t sent = 0;
-      std::thread writer([&] {
-        for (uint64_t seq = start; seq <= n; ++seq) {
-          {
-            std::unique_lock<std::mutex> lock(mu);
-            cv.wait(lock, [&] {
-              return stop || seq - stream_acked <= options_.window;
-            });
-            if (stop) return;
-          }
-          if (!stream->Write(
-                  MakeRequest(chunks[seq - 1], seq, options_, ring.get())))
-            return;
-          ++sent;
-        }
-        stream->WritesDone();
-      });
-
-      absl::Status protocol_error;
-      v1::IngestResponse response;
-      uint64_t expected = start;
-      bool cut = false;
-      bool read_ended = true;  // false: this loop left with the stream open
-      while (stream->Read(&response)) {
-        if (response.sequence() != expected) {
-          protocol_error = absl::InternalError(absl::StrCat(
-              who, ": worker acknowledged sequence ", response.sequence(),
-              " where ", expected, " was due"));
-          read_ended = false;
-          break;
-        }
-        if (response.applied()) {
-          ++result.chunks_applied;
-        } else {
-          ++result.chunks_duplicate;
-        }
-        {
-          std::lock_guard<std::mutex> lock(mu);
-          stream_acked = expected;
-        }
-        cv.notify_one();
-        acked = expected;
-        publish(acked);
-        ++expected;
-        if (options_.on_ack && !options_.on_ack(acked)) {
-          cut = true;
-          read_ended = false;
-          break;
-        }
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        stop = true;
-      }
-      cv.notify_one();
-      // Only a stream this loop left open is cancelled: after Read returned
-      // false the call is over, and cancelling it would replace the worker's
-      // status (say INVALID_ARGUMENT naming the chunk) with CANCELLED.
-      if (!read_ended) context.TryCancel();
-      writer.join();
-      result.chunks_sent += sent;
-      const grpc::Status finish = stream->Finish();
-      if (!protocol_error.ok()) return protocol_error;
+      const StreamEnd end = StreamFrom(acked_ + 1);
+      if (!end.protocol_error.ok()) return end.protocol_error;
       absl::Status status = ToAbslStatus(
-          finish,
-          absl::StrCat("Ingest (", who, ", at sequence ", acked + 1, ")"));
-      if (acked == n && (status.ok() || cut)) break;
+          end.finish,
+          absl::StrCat("Ingest (", who_, ", at sequence ", acked_ + 1, ")"));
+      if (acked_ == n_ && (status.ok() || end.cut)) break;
       if (status.ok()) {
         status = absl::UnavailableError(
-            absl::StrCat("Ingest (", who, "): stream ended after sequence ",
-                         acked, " of ", n));
+            absl::StrCat("Ingest (", who_, "): stream ended after sequence ",
+                         acked_, " of ", n_));
       }
       // A worker restarted between the registration and this stream does
       // not know the region: register again and resend.
       const bool region_lost =
-          ring != nullptr && absl::IsNotFound(status) &&
+          ring_ != nullptr && absl::IsNotFound(status) &&
           absl::StrContains(status.message(), "shared memory region");
-      if (!Retriable(status) && !cut && !region_lost) return status;
-      last_error = status;
-
-      // Reconnect: back off, then learn what the worker holds and go on from
-      // there; never stream again before the worker said where to start.
-      if (acked > best) {
-        best = acked;
-        attempts = 0;
-        backoff = options_.initial_backoff;
-      }
-      if (!another_attempt()) return gave_up();
-      ++result.reconnects;
-      ++counters.reconnects;
-      absl::StatusOr<uint64_t> watermark = Watermark(/*wait_for_ready=*/true);
-      while (!watermark.ok()) {
-        if (!Retriable(watermark.status())) return watermark.status();
-        last_error = watermark.status();
-        if (!another_attempt()) return gave_up();
-        watermark = Watermark(/*wait_for_ready=*/true);
-      }
-      if (*watermark > n) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(who, ": worker watermark ", *watermark, " beyond the ",
-                         n, " chunks of this upload"));
-      }
-      acked = *watermark;  // may be lower than acknowledged: a restored worker
-      publish(acked);
-      // A restarted (or relocated) worker does not know the region.
-      needs_register = ring != nullptr;
+      if (!Retriable(status) && !end.cut && !region_lost) return status;
+      last_error_ = status;
+      KVCAL_RETURN_IF_ERROR(Reconnect());
     }
-    if (!options_.wait_durable) break;
-    // Every chunk is acknowledged: wait until the worker's state dir has them.
-    absl::StatusOr<ProducerState> state = State(/*wait_for_ready=*/true);
+    return absl::OkStatus();
+  }
+
+  // One Ingest stream from sequence `start`: a writer thread sends within
+  // the window while this thread reads the acknowledgements.
+  StreamEnd StreamFrom(uint64_t start) {
+    grpc::ClientContext context;
+    PrepareContext(context, uploader_.connection_, absl::InfiniteDuration());
+    std::unique_ptr<
+        grpc::ClientReaderWriter<v1::IngestRequest, v1::IngestResponse>>
+        stream = uploader_.stub_->Ingest(&context);
+
+    std::mutex mu;
+    std::condition_variable cv;
+    uint64_t stream_acked = start - 1;  // guarded by mu
+    bool stop = false;                  // guarded by mu
+    uint64_t sent = 0;
+    std::thread writer([&] {
+      for (uint64_t seq = start; seq <= n_; ++seq) {
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          cv.wait(lock, [&] {
+            return stop || seq - stream_acked <= options_.window;
+          });
+          if (stop) return;
+        }
+        if (!stream->Write(
+                MakeRequest(chunks_[seq - 1], seq, options_, ring_.get())))
+          return;
+        ++sent;
+      }
+      stream->WritesDone();
+    });
+
+    StreamEnd end;
+    v1::IngestResponse response;
+    uint64_t expected = start;
+    bool read_ended = true;  // false: this loop left with the stream open
+    while (stream->Read(&response)) {
+      if (response.sequence() != expected) {
+        end.protocol_error = absl::InternalError(
+            absl::StrCat(who_, ": worker acknowledged sequence ",
+                         response.sequence(), " where ", expected, " was due"));
+        read_ended = false;
+        break;
+      }
+      if (response.applied()) {
+        ++result_.chunks_applied;
+      } else {
+        ++result_.chunks_duplicate;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        stream_acked = expected;
+      }
+      cv.notify_one();
+      acked_ = expected;
+      Publish(acked_);
+      ++expected;
+      if (options_.on_ack && !options_.on_ack(acked_)) {
+        end.cut = true;
+        read_ended = false;
+        break;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_one();
+    // Only a stream this loop left open is cancelled: after Read returned
+    // false the call is over, and cancelling it would replace the worker's
+    // status (say INVALID_ARGUMENT naming the chunk) with CANCELLED.
+    if (!read_ended) context.TryCancel();
+    writer.join();
+    result_.chunks_sent += sent;
+    end.finish = stream->Finish();
+    return end;
+  }
+
+  // After a failed stream: back off, then learn what the worker holds and go
+  // on from there; never stream again before the worker said where to start.
+  absl::Status Reconnect() {
+    if (acked_ > best_) {
+      best_ = acked_;
+      attempts_ = 0;
+      backoff_ = options_.initial_backoff;
+    }
+    if (!AnotherAttempt()) return GaveUp();
+    ++result_.reconnects;
+    ++counters_.reconnects;
+    absl::StatusOr<uint64_t> watermark =
+        uploader_.Watermark(/*wait_for_ready=*/true);
+    while (!watermark.ok()) {
+      if (!Retriable(watermark.status())) return watermark.status();
+      last_error_ = watermark.status();
+      if (!AnotherAttempt()) return GaveUp();
+      watermark = uploader_.Watermark(/*wait_for_ready=*/true);
+    }
+    if (*watermark > n_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(who_, ": worker watermark ", *watermark, " beyond the ",
+                       n_, " chunks of this upload"));
+    }
+    acked_ = *watermark;  // may be lower than acknowledged: a restored worker
+    Publish(acked_);
+    // A restarted (or relocated) worker does not know the region.
+    needs_register_ = ring_ != nullptr;
+    return absl::OkStatus();
+  }
+
+  // With every chunk acknowledged: true once the worker's state dir has them
+  // (or it has none); false to go round again (poll again, or send again
+  // after the worker restarted from an older snapshot).
+  absl::StatusOr<bool> Durable() {
+    absl::StatusOr<ProducerState> state =
+        uploader_.State(/*wait_for_ready=*/true);
     if (!state.ok()) {
       if (!Retriable(state.status())) return state.status();
-      last_error = state.status();
-      if (!another_attempt()) return gave_up();
-      continue;
+      last_error_ = state.status();
+      if (!AnotherAttempt()) return GaveUp();
+      return false;
     }
-    if (!state->persistent || state->durable_sequence >= n) break;
-    if (state->sequence < acked) {
-      // The worker restarted from an older snapshot: send the rest again.
-      acked = state->sequence;
-      publish(acked);
-      needs_register = ring != nullptr;
-      continue;
+    if (!state->persistent || state->durable_sequence >= n_) return true;
+    if (state->sequence < acked_) {
+      acked_ = state->sequence;
+      Publish(acked_);
+      needs_register_ = ring_ != nullptr;
+      return false;
     }
     const absl::Time now = absl::Now();
-    if (durable_deadline == absl::InfiniteFuture()) {
-      durable_deadline = now + options_.durable_timeout;
-    } else if (now > durable_deadline) {
+    if (durable_deadline_ == absl::InfiniteFuture()) {
+      durable_deadline_ = now + options_.durable_timeout;
+    } else if (now > durable_deadline_) {
       return absl::DeadlineExceededError(
-          absl::StrCat(who, ": all ", n, " chunks acknowledged but only ",
+          absl::StrCat(who_, ": all ", n_, " chunks acknowledged but only ",
                        state->durable_sequence, " durable after ",
                        absl::FormatDuration(options_.durable_timeout),
                        "; can the worker write its --state-dir? (its /healthz "
                        "and log say)"));
     }
-    absl::SleepFor(durable_poll);
-    durable_poll = std::min(durable_poll * 2, absl::Seconds(1));
+    absl::SleepFor(durable_poll_);
+    durable_poll_ = std::min(durable_poll_ * 2, absl::Seconds(1));
+    return false;
   }
-  return result;
+
+  // (Re)registers the ring with the current worker. OK when registered or
+  // fallen back to in-band; else the error (retriable ones are retried).
+  absl::Status RegisterRing() {
+    if (ring_ == nullptr) return absl::OkStatus();
+    absl::Status s = ring_->Register(uploader_.channel_, uploader_.connection_);
+    if (s.ok() || !SharedMemoryFallsBack(s)) return s;
+    FallBack(s);
+    return absl::OkStatus();
+  }
+
+  void FallBack(const absl::Status& why) {
+    ring_.reset();
+    result_.shared_memory = false;
+    result_.shared_memory_fallback = std::string(why.message());
+    std::cerr << "kvcal: " << who_
+              << ": shared memory not used, sending chunks in-band ("
+              << why.message() << ")\n";
+  }
+
+  // Counters may be shared by several uploaders (one per worker): publish
+  // differences, not absolute values.
+  void Publish(uint64_t now) {
+    counters_.chunks_acked.fetch_add(now - published_);
+    counters_.bytes_acked.fetch_add(bytes_before_[now] -
+                                    bytes_before_[published_]);
+    published_ = now;
+  }
+
+  // Backs off before the next try; false once max_attempts tries in a row
+  // made no progress.
+  bool AnotherAttempt() {
+    if (++attempts_ > options_.max_attempts) return false;
+    absl::SleepFor(backoff_);
+    backoff_ = std::min(backoff_ * 2, options_.max_backoff);
+    return true;
+  }
+
+  absl::Status GaveUp() const {
+    return absl::UnavailableError(
+        absl::StrCat(who_, ": gave up after ", options_.max_attempts,
+                     " attempts without progress at sequence ", acked_ + 1,
+                     "; last error: ", last_error_.message()));
+  }
+
+  Uploader& uploader_;
+  const UploaderOptions& options_;
+  UploadCounters& counters_;
+  const std::string who_;
+  std::vector<ChunkView> chunks_;
+  uint64_t n_ = 0;
+  // bytes_before_[s] = data bytes of chunks 1..s.
+  std::vector<uint64_t> bytes_before_;
+  UploadResult result_;
+  uint64_t acked_ = 0;      // the worker's watermark as last learned
+  uint64_t published_ = 0;  // what Publish last gave the counters
+  // The most ever acknowledged: only getting past it is progress (a worker
+  // that crashes on a chunk and restarts from a snapshot re-acknowledges
+  // the same chunks again and again).
+  uint64_t best_ = 0;
+  std::unique_ptr<SharedMemoryRing> ring_;  // same-host shared memory
+  bool needs_register_ = false;             // set after a reconnect
+  int attempts_ = 0;
+  absl::Duration backoff_;
+  absl::Status last_error_;
+  absl::Time durable_deadline_ = absl::InfiniteFuture();
+  absl::Duration durable_poll_ = absl::Milliseconds(50);
+};
+
+absl::StatusOr<UploadResult> Uploader::Upload(
+    absl::Span<const ChunkView> tensors) {
+  return Run(*this, tensors).Go();
 }
 
 }  // namespace kvcal

@@ -135,6 +135,8 @@ class Uploader {
   absl::StatusOr<ProducerState> StateOnce(absl::Duration timeout,
                                           bool wait_for_ready);
 
+  class Run;  // one Upload call (uploader.cc)
+
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Calibration::Stub> stub_;
   ConnectionOptions connection_;
