@@ -48,32 +48,72 @@ double MedianRatio(const v1::FinalizeResponse& a,
   return ratios[ratios.size() / 2];
 }
 
-}  // namespace
-
-absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
-  namespace fs = std::filesystem;
-  const absl::Time start = absl::Now();
-  std::ostream& out = std::cout;
-  const bool text = !args.json;
-  // Each step's line appears as it happens, in order with the progress
-  // lines on stderr, even through a pipe.
-  if (text) out << std::unitbuf;
-  std::string dir = args.dir;
-  if (dir.empty()) {
+// `requested`, or a new /tmp directory; never one that already holds a
+// demo's model/ or dumps/.
+absl::StatusOr<std::string> DemoDirectory(std::string requested) {
+  if (requested.empty()) {
     char tmpl[] = "/tmp/kvcal-demo-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) {
       return absl::InternalError(
           absl::StrCat("mkdtemp: ", std::strerror(errno)));
     }
-    dir = tmpl;
+    return std::string(tmpl);
   }
+  std::error_code ec;
+  if (std::filesystem::exists(requested + "/model", ec) ||
+      std::filesystem::exists(requested + "/dumps", ec)) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        requested, " already holds model/ or dumps/; pick an empty --dir"));
+  }
+  return requested;
+}
+
+// Step 4: per-head scales under static min-max and MSE, each written to
+// DIR/scales-OBSERVER.safetensors (and shown on `out` when not null). Sets
+// `ratio` to the median MSE / static-minmax scale; returns the JSON of both.
+absl::StatusOr<Json> FinalizeBothObservers(CalibrationClient& client,
+                                           const std::string& session_id,
+                                           const std::string& dir,
+                                           std::ostream* out, double& ratio) {
+  Json observers = Json::array();
+  std::vector<v1::FinalizeResponse> responses;
+  for (v1::Observer observer : {v1::OBSERVER_STATIC_MINMAX, v1::OBSERVER_MSE}) {
+    v1::FinalizeRequest request;
+    request.set_session_id(session_id);
+    request.set_granularity(v1::GRANULARITY_PER_HEAD);
+    request.set_observer(observer);
+    const std::string name = CanonicalName(observer);
+    const std::string path =
+        absl::StrCat(dir, "/scales-", name, ".safetensors");
+    KVCAL_ASSIGN_OR_RETURN(FinalizeSummary f,
+                           FinalizeToFile(client, request, path));
+    if (out != nullptr) {
+      *out << "[4/6] per-head scales, observer " << name << " -> " << path
+           << "\n"
+           << FinalizeTable(f.response);
+    }
+    observers.push_back({{"observer", name},
+                         {"scales", path},
+                         {"layers", FinalizeJson(f.response)}});
+    responses.push_back(std::move(f.response));
+  }
+  ratio = MedianRatio(responses[0], responses[1]);
+  return observers;
+}
+
+}  // namespace
+
+absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
+  const absl::Time start = absl::Now();
+  std::ostream& out = std::cout;
+  const bool text = !args.json;
+  double ratio = 0;  // median mse / static-minmax scale
+  // Each step's line appears as it happens, in order with the progress
+  // lines on stderr, even through a pipe.
+  if (text) out << std::unitbuf;
+  KVCAL_ASSIGN_OR_RETURN(const std::string dir, DemoDirectory(args.dir));
   const std::string model_dir = dir + "/model";
   const std::string dump_dir = dir + "/dumps";
-  std::error_code ec;
-  if (fs::exists(model_dir, ec) || fs::exists(dump_dir, ec)) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        dir, " already holds model/ or dumps/; pick an empty --dir"));
-  }
 
   // 1. A small Llama-style model and its activation dumps.
   DemoModelOptions model;
@@ -140,29 +180,10 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
   }
 
   // 4. Finalize per head with two observers.
-  Json observers = Json::array();
-  std::vector<v1::FinalizeResponse> responses;
-  for (v1::Observer observer : {v1::OBSERVER_STATIC_MINMAX, v1::OBSERVER_MSE}) {
-    v1::FinalizeRequest request;
-    request.set_session_id(session.session_id());
-    request.set_granularity(v1::GRANULARITY_PER_HEAD);
-    request.set_observer(observer);
-    const std::string name = CanonicalName(observer);
-    const std::string path =
-        absl::StrCat(dir, "/scales-", name, ".safetensors");
-    KVCAL_ASSIGN_OR_RETURN(FinalizeSummary f,
-                           FinalizeToFile(*client, request, path));
-    if (text) {
-      out << "[4/6] per-head scales, observer " << name << " -> " << path
-          << "\n"
-          << FinalizeTable(f.response);
-    }
-    observers.push_back({{"observer", name},
-                         {"scales", path},
-                         {"layers", FinalizeJson(f.response)}});
-    responses.push_back(std::move(f.response));
-  }
-  const double ratio = MedianRatio(responses[0], responses[1]);
+  KVCAL_ASSIGN_OR_RETURN(
+      const Json observers,
+      FinalizeBothObservers(*client, session.session_id(), dir,
+                            text ? &out : nullptr, ratio));
   if (text) {
     out << absl::StrFormat(
         "      median mse/static-minmax scale ratio: %.3f (MSE clips the heavy "
