@@ -310,9 +310,7 @@ class Uploader::Run {
     while (acked_ < n_) {
       if (needs_register_) {
         if (absl::Status registered = RegisterRing(); !registered.ok()) {
-          if (!Retriable(registered)) return registered;
-          last_error_ = registered;
-          if (!AnotherAttempt()) return GaveUp();
+          KVCAL_RETURN_IF_ERROR(BackOffAfter(registered));
           continue;
         }
         needs_register_ = false;
@@ -431,9 +429,7 @@ class Uploader::Run {
     absl::StatusOr<uint64_t> watermark =
         uploader_.Watermark(/*wait_for_ready=*/true);
     while (!watermark.ok()) {
-      if (!Retriable(watermark.status())) return watermark.status();
-      last_error_ = watermark.status();
-      if (!AnotherAttempt()) return GaveUp();
+      KVCAL_RETURN_IF_ERROR(BackOffAfter(watermark.status()));
       watermark = uploader_.Watermark(/*wait_for_ready=*/true);
     }
     if (*watermark > n_) {
@@ -455,9 +451,7 @@ class Uploader::Run {
     absl::StatusOr<ProducerState> state =
         uploader_.State(/*wait_for_ready=*/true);
     if (!state.ok()) {
-      if (!Retriable(state.status())) return state.status();
-      last_error_ = state.status();
-      if (!AnotherAttempt()) return GaveUp();
+      KVCAL_RETURN_IF_ERROR(BackOffAfter(state.status()));
       return false;
     }
     if (!state->persistent || state->durable_sequence >= n_) return true;
@@ -509,6 +503,16 @@ class Uploader::Run {
     counters_.bytes_acked.fetch_add(bytes_before_[now] -
                                     bytes_before_[published_]);
     published_ = now;
+  }
+
+  // After a failed call: the error itself when it is not retriable, the
+  // give-up error once max_attempts tries in a row made no progress, else
+  // OK after backing off (try again).
+  absl::Status BackOffAfter(const absl::Status& error) {
+    if (!Retriable(error)) return error;
+    last_error_ = error;
+    if (!AnotherAttempt()) return GaveUp();
+    return absl::OkStatus();
   }
 
   // Backs off before the next try; false once max_attempts tries in a row
