@@ -62,9 +62,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
-    const WorkerOptions& options) {
-  std::unique_ptr<Worker> worker(new Worker());
+namespace {
+
+// The service's options from the worker's (auth and the backend's parts
+// are set by Start).
+ServiceOptions ServiceOptionsFor(const WorkerOptions& options) {
   ServiceOptions service_options;
   service_options.registry.session.backend = options.backend;
   service_options.registry.session.backend_options.device = options.device;
@@ -87,6 +89,63 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   service_options.shared_memory.max_bytes_per_tenant =
       options.shared_memory_max_bytes_per_tenant;
   service_options.shared_memory.host_id = ReadHostId();
+  return service_options;
+}
+
+// --worker-id, or the host name; checked.
+absl::StatusOr<std::string> ResolveWorkerId(const WorkerOptions& options) {
+  std::string id = options.worker_id;
+  if (id.empty()) {
+    char host[256] = {};
+    if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') {
+      return absl::FailedPreconditionError(
+          "cannot read the host name for the worker id; pass --worker-id");
+    }
+    id = host;
+  }
+  if (absl::Status s = ValidateWorkerId(id); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--worker-id: ", s.message(),
+        options.worker_id.empty() ? " (it defaults to the host name)" : ""));
+  }
+  return id;
+}
+
+// The gRPC server of `service` on options.listen (its port in `port`), or
+// null when it cannot listen.
+std::unique_ptr<grpc::Server> BuildServer(
+    const WorkerOptions& options,
+    const std::shared_ptr<grpc::ServerCredentials>& credentials,
+    CalibrationService* service, int* port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, credentials, port);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  // Clients ping every 30 s while a call is open (client/connection.cc) to
+  // notice a vanished worker; accept pings every 10 s even without data so
+  // that a waiting stream is never cut for "too many pings". The worker
+  // also pings idle clients so that a producer host that vanished frees its
+  // stream.
+  builder.AddChannelArgument(
+      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  // The health and reflection services are synchronous; their pollers wake
+  // this often, which bounds how long Shutdown waits for them.
+  builder.SetSyncServerOption(
+      grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 100);
+  builder.RegisterService(service);
+  return builder.BuildAndStart();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
+    const WorkerOptions& options) {
+  std::unique_ptr<Worker> worker(new Worker());
+  ServiceOptions service_options = ServiceOptionsFor(options);
   if (!options.auth_token_file.empty()) {
     KVCAL_ASSIGN_OR_RETURN(service_options.auth, TokenAuthenticator::FromFile(
                                                      options.auth_token_file));
@@ -105,61 +164,16 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   }
   KVCAL_LOG(INFO) << "backend: " << choice.description;
 
-  worker->worker_id_ = options.worker_id;
-  if (worker->worker_id_.empty()) {
-    char host[256] = {};
-    if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') {
-      return absl::FailedPreconditionError(
-          "cannot read the host name for the worker id; pass --worker-id");
-    }
-    worker->worker_id_ = host;
-  }
-  if (absl::Status s = ValidateWorkerId(worker->worker_id_); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--worker-id: ", s.message(),
-        options.worker_id.empty() ? " (it defaults to the host name)" : ""));
-  }
+  KVCAL_ASSIGN_OR_RETURN(worker->worker_id_, ResolveWorkerId(options));
   KVCAL_LOG(INFO) << "worker id: " << worker->worker_id_;
   service_options.worker_id = worker->worker_id_;
   service_options.backend_name = worker->backend_name_;
   worker->service_ = std::make_unique<CalibrationService>(service_options);
-  if (!options.state_dir.empty()) {
-    worker->persister_ = std::make_unique<SessionPersister>(
-        &worker->service_->registry(), &worker->service_->metrics(),
-        StateStore(options.state_dir), options.snapshot_interval);
-    KVCAL_RETURN_IF_ERROR(worker->persister_->Restore());
-    worker->service_->set_persister(worker->persister_.get());
-    worker->persister_->Start();
-    KVCAL_LOG(INFO) << "durable sessions in " << options.state_dir << " (every "
-                    << options.snapshot_interval.count() << " ms when changed)";
-  } else {
-    KVCAL_LOG(INFO) << "no --state-dir: sessions live in memory only; a "
-                       "worker crash loses them";
-  }
+  KVCAL_RETURN_IF_ERROR(worker->StartPersister(options));
   KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                          Credentials(options));
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, credentials, &worker->port_);
-  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-  // Clients ping every 30 s while a call is open (client/connection.cc) to
-  // notice a vanished worker; accept pings every 10 s even without data so
-  // that a waiting stream is never cut for "too many pings". The worker
-  // also pings idle clients so that a producer host that vanished frees its
-  // stream.
-  builder.AddChannelArgument(
-      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
-  builder.SetMaxSendMessageSize(options.max_message_bytes);
-  // The health and reflection services are synchronous; their pollers wake
-  // this often, which bounds how long Shutdown waits for them.
-  builder.SetSyncServerOption(
-      grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 100);
-  builder.RegisterService(worker->service_.get());
-  worker->server_ = builder.BuildAndStart();
+  worker->server_ =
+      BuildServer(options, credentials, worker->service_.get(), &worker->port_);
   if (worker->server_ == nullptr || worker->port_ == 0) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", options.listen));
@@ -184,6 +198,23 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
                   << (options.tls_client_ca.empty() ? ""
                                                     : " with client certs");
   return worker;
+}
+
+absl::Status Worker::StartPersister(const WorkerOptions& options) {
+  if (options.state_dir.empty()) {
+    KVCAL_LOG(INFO) << "no --state-dir: sessions live in memory only; a "
+                       "worker crash loses them";
+    return absl::OkStatus();
+  }
+  persister_ = std::make_unique<SessionPersister>(
+      &service_->registry(), &service_->metrics(),
+      StateStore(options.state_dir), options.snapshot_interval);
+  KVCAL_RETURN_IF_ERROR(persister_->Restore());
+  service_->set_persister(persister_.get());
+  persister_->Start();
+  KVCAL_LOG(INFO) << "durable sessions in " << options.state_dir << " (every "
+                  << options.snapshot_interval.count() << " ms when changed)";
+  return absl::OkStatus();
 }
 
 void Worker::WatchDevice() {

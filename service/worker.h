@@ -82,6 +82,8 @@ class Worker {
 
  private:
   Worker() = default;
+  // With --state-dir: restores its sessions and starts snapshotting.
+  absl::Status StartPersister(const WorkerOptions& options);
   void WatchDevice();  // health_thread_
   void StopWatchingDevice();
   std::unique_ptr<CalibrationService> service_;
