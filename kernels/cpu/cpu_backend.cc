@@ -171,22 +171,47 @@ class CpuBackend final : public StatisticsBackend {
     KVCAL_ASSIGN_OR_RETURN(ChunkExtent extent,
                            ValidateChunk(stats_.geometry(), chunk));
     if (extent.elements() == 0) return absl::OkStatus();
-    const cpu::RowsFn rows_fn = cpu::BestRowsFn(chunk.dtype);
-    const size_t element_size = DTypeSize(chunk.dtype);
-    const Geometry& g = stats_.geometry();
-    const uint32_t log2_bins = g.log2_bins_per_octave();
-    const bool histograms = g.has_histograms();
-    const size_t bins = g.histogram_bins();
-    const size_t heads = extent.heads;
-    const size_t row_stride = heads * extent.inner;
-    auto head_stats = [&](size_t h) -> HeadStatistics& {
-      return stats_.head(chunk.layer, chunk.role,
-                         chunk.head_offset + static_cast<uint32_t>(h));
-    };
 
     std::lock_guard<std::mutex> lock(
         locks_[chunk.layer * 3 + static_cast<size_t>(RoleIndex(chunk.role))]);
-    // A chunk in pieces is walked by one thread, piece by piece, in place.
+    std::vector<ChunkTask> tasks = PrepareTasks(chunk, extent);
+    RunTasks(chunk, extent, tasks);
+    FoldTasks(chunk, extent, tasks);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<SessionStatistics> Snapshot() override {
+    auto locks = LockAll();
+    return stats_;
+  }
+
+  absl::Status Merge(const SessionStatistics& other) override {
+    auto locks = LockAll();
+    return stats_.Merge(other);
+  }
+
+  absl::Status Reset() override {
+    auto locks = LockAll();
+    stats_.Reset();
+    return absl::OkStatus();
+  }
+
+  size_t StateBytes() const override {
+    return EstimateStateBytes(stats_.geometry());
+  }
+
+  HeadStatistics& HeadOf(const ChunkView& chunk, size_t h) {
+    return stats_.head(chunk.layer, chunk.role,
+                       chunk.head_offset + static_cast<uint32_t>(h));
+  }
+
+  // The chunk's tasks (Plan; one task for a chunk in pieces, which one
+  // thread walks piece by piece, in place), each with its accumulators wired
+  // to the heads' histograms and tails (or, for a partial task, its own).
+  std::vector<ChunkTask> PrepareTasks(const ChunkView& chunk,
+                                      const ChunkExtent& extent) {
+    const Geometry& g = stats_.geometry();
+    const size_t bins = g.histogram_bins();
     std::vector<ChunkTask> tasks =
         chunk.pieces.empty() ? Plan(extent, bins) : std::vector<ChunkTask>(1);
     if (!chunk.pieces.empty()) {
@@ -196,19 +221,36 @@ class CpuBackend final : public StatisticsBackend {
     for (ChunkTask& task : tasks) {
       const size_t n = task.head_end - task.head_begin;
       task.accs.resize(n);
-      if (!histograms) continue;
+      if (!g.has_histograms()) continue;
       task.tails.resize(n);
       if (task.partial) task.histograms.assign(n * bins, 0);
       for (size_t i = 0; i < n; ++i) {
-        HeadStatistics& head = head_stats(task.head_begin + i);
+        HeadStatistics& head = HeadOf(chunk, task.head_begin + i);
         cpu::RunAccumulator& acc = task.accs[i];
         task.tails[i].emplace(task.partial ? std::vector<float>() : head.tail);
         acc.histogram = task.partial ? task.histograms.data() + i * bins
                                      : head.histogram.data();
-        acc.log2_bins_per_octave = log2_bins;
+        acc.log2_bins_per_octave = g.log2_bins_per_octave();
         acc.tail = &*task.tails[i];
       }
     }
+    return tasks;
+  }
+
+  // Runs the inner loops of every task (in parallel when there are several).
+  void RunTasks(const ChunkView& chunk, const ChunkExtent& extent,
+                std::vector<ChunkTask>& tasks) {
+    if (!chunk.pieces.empty()) {
+      PieceWalker walker(extent, DTypeSize(chunk.dtype));
+      walker.Add(chunk.pieces);
+      cpu::BestSpansFn(chunk.dtype)(walker.spans().data(),
+                                    walker.spans().size(), extent.heads,
+                                    tasks[0].accs.data());
+      return;
+    }
+    const cpu::RowsFn rows_fn = cpu::BestRowsFn(chunk.dtype);
+    const size_t element_size = DTypeSize(chunk.dtype);
+    const size_t row_stride = extent.heads * extent.inner;
     auto run = [&](ChunkTask& task) {
       rows_fn(chunk.data.data() + (task.row_begin * row_stride +
                                    task.head_begin * extent.inner) *
@@ -216,24 +258,22 @@ class CpuBackend final : public StatisticsBackend {
               task.row_end - task.row_begin, row_stride,
               task.head_end - task.head_begin, extent.inner, task.accs.data());
     };
-
-    if (!chunk.pieces.empty()) {
-      PieceWalker walker(extent, element_size);
-      walker.Add(chunk.pieces);
-      cpu::BestSpansFn(chunk.dtype)(walker.spans().data(),
-                                    walker.spans().size(), extent.heads,
-                                    tasks[0].accs.data());
-    } else if (tasks.size() == 1) {
+    if (tasks.size() == 1) {
       run(tasks[0]);
     } else {
       ThreadPool& pool = pool_ ? *pool_ : ThreadPool::Shared();
       pool.ParallelFor(tasks.size(), [&](size_t t) { run(tasks[t]); });
     }
+  }
 
-    // Fold every task's sums into the heads' statistics, tasks in order.
+  // Folds every task's sums into the heads' statistics, tasks in order.
+  void FoldTasks(const ChunkView& chunk, const ChunkExtent& extent,
+                 std::vector<ChunkTask>& tasks) {
+    const bool histograms = stats_.geometry().has_histograms();
+    const size_t bins = stats_.geometry().histogram_bins();
     std::vector<float> tail_values;
-    for (size_t h = 0; h < heads; ++h) {
-      HeadStatistics& head = head_stats(h);
+    for (size_t h = 0; h < extent.heads; ++h) {
+      HeadStatistics& head = HeadOf(chunk, h);
       MinMax extrema;
       for (ChunkTask& task : tasks) {
         if (h < task.head_begin || h >= task.head_end) continue;
@@ -261,27 +301,6 @@ class CpuBackend final : public StatisticsBackend {
         head.batches[chunk.batch].Merge(extrema);
       }
     }
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<SessionStatistics> Snapshot() override {
-    auto locks = LockAll();
-    return stats_;
-  }
-
-  absl::Status Merge(const SessionStatistics& other) override {
-    auto locks = LockAll();
-    return stats_.Merge(other);
-  }
-
-  absl::Status Reset() override {
-    auto locks = LockAll();
-    stats_.Reset();
-    return absl::OkStatus();
-  }
-
-  size_t StateBytes() const override {
-    return EstimateStateBytes(stats_.geometry());
   }
 
   // How a chunk is spread over threads. Small chunks, and one thread, get
