@@ -58,16 +58,10 @@ absl::StatusOr<Evaluation> EvaluateScales(const SessionStatistics& stats,
   return e;
 }
 
-}  // namespace
-
-absl::StatusOr<EvaluatedFinalize> FinalizeAndEvaluate(
-    const SessionStatistics& stats, const HoldoutStore& holdout,
-    const EvaluatedFinalizeOptions& options) {
-  EvaluatedFinalize out;
-  if (!options.evaluate && !options.auto_observer) {
-    KVCAL_ASSIGN_OR_RETURN(out.scales, ComputeScales(stats, options.scale));
-    return out;
-  }
+// Why `options` cannot evaluate on this session (OK when it can).
+absl::Status CheckEvaluable(const SessionStatistics& stats,
+                            const HoldoutStore& holdout,
+                            const EvaluatedFinalizeOptions& options) {
   KVCAL_RETURN_IF_ERROR(options.scale.Validate());
   const char* what = options.auto_observer ? "observer auto" : "evaluate";
   if (options.scale.format != Format::kFp8E4m3fn) {
@@ -86,30 +80,27 @@ absl::StatusOr<EvaluatedFinalize> FinalizeAndEvaluate(
         "--holdout-batches N`, or `producer.holdout = True` in Python) "
         "before finalizing"));
   }
-  const Geometry& g = stats.geometry();
   for (Role role : kAllRoles) {
-    if (!g.collects(role)) {
+    if (!stats.geometry().collects(role)) {
       return absl::FailedPreconditionError(absl::StrCat(
           what, " needs Q, K and V; this session does not collect ",
           RoleName(role)));
     }
   }
-  if (!options.auto_observer) {
-    KVCAL_ASSIGN_OR_RETURN(out.scales, ComputeScales(stats, options.scale));
-    KVCAL_ASSIGN_OR_RETURN(
-        Evaluation e, EvaluateScales(stats, holdout, out.scales, options.scale,
-                                     options.kv_only));
-    out.evaluation = std::move(e);
-    return out;
-  }
+  return absl::OkStatus();
+}
 
-  std::vector<Granularity> granularities = options.auto_granularities;
-  if (granularities.empty()) granularities.push_back(options.scale.granularity);
-  // candidates[i] with scales[i].
-  std::vector<ScaleResult> results;
+// Every observer (those the session's histograms allow) at every
+// granularity, evaluated: out.candidates, and their scales in `results`.
+absl::Status EvaluateCandidates(const SessionStatistics& stats,
+                                const HoldoutStore& holdout,
+                                const EvaluatedFinalizeOptions& options,
+                                const std::vector<Granularity>& granularities,
+                                EvaluatedFinalize& out,
+                                std::vector<ScaleResult>& results) {
   for (Granularity granularity : granularities) {
     for (Observer observer : kObservers) {
-      if (!g.has_histograms() &&
+      if (!stats.geometry().has_histograms() &&
           (observer == Observer::kMse || observer == Observer::kPercentile)) {
         continue;
       }
@@ -125,16 +116,15 @@ absl::StatusOr<EvaluatedFinalize> FinalizeAndEvaluate(
       results.push_back(std::move(scales));
     }
   }
-  if (options.auto_per_session) {
-    size_t best = 0;
-    for (size_t i = 1; i < out.candidates.size(); ++i) {
-      if (out.candidates[i].error < out.candidates[best].error) best = i;
-    }
-    out.scales = results[best];
-    out.evaluation = out.candidates[best];
-    return out;
-  }
-  // Per layer, within each granularity; then the best granularity.
+  return absl::OkStatus();
+}
+
+// Per layer the candidate of least error within each granularity; then the
+// granularity whose combination has the least error.
+void ChooseBestPerLayer(const EvaluatedFinalizeOptions& options,
+                        const std::vector<Granularity>& granularities,
+                        const std::vector<ScaleResult>& results,
+                        EvaluatedFinalize& out) {
   std::optional<Evaluation> best_combined;
   std::optional<ScaleResult> best_scales;
   for (Granularity granularity : granularities) {
@@ -171,6 +161,43 @@ absl::StatusOr<EvaluatedFinalize> FinalizeAndEvaluate(
   }
   out.scales = std::move(*best_scales);
   out.evaluation = std::move(*best_combined);
+}
+
+}  // namespace
+
+absl::StatusOr<EvaluatedFinalize> FinalizeAndEvaluate(
+    const SessionStatistics& stats, const HoldoutStore& holdout,
+    const EvaluatedFinalizeOptions& options) {
+  EvaluatedFinalize out;
+  if (!options.evaluate && !options.auto_observer) {
+    KVCAL_ASSIGN_OR_RETURN(out.scales, ComputeScales(stats, options.scale));
+    return out;
+  }
+  KVCAL_RETURN_IF_ERROR(CheckEvaluable(stats, holdout, options));
+  if (!options.auto_observer) {
+    KVCAL_ASSIGN_OR_RETURN(out.scales, ComputeScales(stats, options.scale));
+    KVCAL_ASSIGN_OR_RETURN(
+        Evaluation e, EvaluateScales(stats, holdout, out.scales, options.scale,
+                                     options.kv_only));
+    out.evaluation = std::move(e);
+    return out;
+  }
+
+  std::vector<Granularity> granularities = options.auto_granularities;
+  if (granularities.empty()) granularities.push_back(options.scale.granularity);
+  std::vector<ScaleResult> results;  // results[i]: out.candidates[i]'s scales
+  KVCAL_RETURN_IF_ERROR(
+      EvaluateCandidates(stats, holdout, options, granularities, out, results));
+  if (options.auto_per_session) {
+    size_t best = 0;
+    for (size_t i = 1; i < out.candidates.size(); ++i) {
+      if (out.candidates[i].error < out.candidates[best].error) best = i;
+    }
+    out.scales = results[best];
+    out.evaluation = out.candidates[best];
+    return out;
+  }
+  ChooseBestPerLayer(options, granularities, results, out);
   return out;
 }
 
