@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/element_math.h"
 #include "kernels/thread_pool.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 
@@ -499,6 +500,98 @@ float ObserverRange(std::span<const HeadStatistics* const> heads,
   }
 }
 
+// options.layers sorted and deduplicated (every layer when empty); an
+// error when one is out of range.
+absl::StatusOr<std::vector<uint32_t>> SelectLayers(
+    const Geometry& g, const std::vector<uint32_t>& layers) {
+  std::vector<uint32_t> selected;
+  if (layers.empty()) {
+    for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
+      selected.push_back(layer);
+    }
+    return selected;
+  }
+  selected = layers;
+  std::sort(selected.begin(), selected.end());
+  selected.erase(std::unique(selected.begin(), selected.end()), selected.end());
+  if (selected.back() >= g.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", selected.back(), " is out of range: the session has ",
+        g.num_layers, " layers"));
+  }
+  return selected;
+}
+
+// FAILED_PRECONDITION naming the (layer, role, head) triples of `selected`
+// without data, unless there are none or allow_missing.
+absl::Status CheckMissing(const SessionStatistics& stats,
+                          const std::vector<uint32_t>& selected,
+                          bool allow_missing) {
+  const Geometry& g = stats.geometry();
+  std::vector<std::string> missing;
+  uint64_t missing_count = 0;
+  for (uint32_t layer : selected) {
+    for (Role role : g.roles()) {
+      for (uint32_t head = 0; head < g.heads(role); ++head) {
+        if (stats.head(layer, role, head).finite_count != 0) continue;
+        ++missing_count;
+        if (missing.size() < 20)
+          missing.push_back(TripleName(layer, role, head));
+      }
+    }
+  }
+  if (missing_count == 0 || allow_missing) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(missing_count, " (layer, role, head) triples have no data: ",
+                   absl::StrJoin(missing, ", "),
+                   missing_count > missing.size() ? ", ..." : "",
+                   " (set allow_missing to finalize the rest)"));
+}
+
+// The scales of one (layer, role): per tensor, per head, or per head then
+// the largest of each KV group's query heads; empty when a head has no data.
+RoleScales ScalesOfRole(const SessionStatistics& stats,
+                        const ScaleOptions& options, uint32_t layer,
+                        Role role) {
+  const Geometry& g = stats.geometry();
+  const uint32_t log2_bins = g.log2_bins_per_octave();
+  const uint32_t heads = g.heads(role);
+  std::vector<const HeadStatistics*> all(heads);
+  RoleScales out;
+  bool any_missing = false;
+  for (uint32_t h = 0; h < heads; ++h) {
+    all[h] = &stats.head(layer, role, h);
+    out.count += all[h]->finite_count;
+    out.nonfinite += all[h]->nonfinite_count();
+    any_missing |= all[h]->finite_count == 0;
+  }
+  if (any_missing) return out;
+  if (options.granularity == Granularity::kPerTensor) {
+    const float range = ObserverRange(all, options, log2_bins);
+    out.scale.push_back(ScaleFromRange(range, options.margin, options.format));
+    out.absmax.push_back(StaticAbsmax(all));
+    return out;
+  }
+  for (uint32_t h = 0; h < heads; ++h) {
+    std::span<const HeadStatistics* const> one(&all[h], 1);
+    const float range = ObserverRange(one, options, log2_bins);
+    out.scale.push_back(ScaleFromRange(range, options.margin, options.format));
+    out.absmax.push_back(StaticAbsmax(one));
+  }
+  if (role == Role::kQ && options.q_per_kv_group) {
+    const uint32_t group = g.num_attention_heads / g.num_key_value_heads;
+    std::vector<float> scale(g.num_key_value_heads, 0.0f);
+    std::vector<float> absmax(g.num_key_value_heads, 0.0f);
+    for (uint32_t h = 0; h < heads; ++h) {
+      scale[h / group] = std::max(scale[h / group], out.scale[h]);
+      absmax[h / group] = std::max(absmax[h / group], out.absmax[h]);
+    }
+    out.scale = std::move(scale);
+    out.absmax = std::move(absmax);
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
@@ -516,41 +609,9 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
     return absl::FailedPreconditionError(
         "the session has no finite values: nothing to calibrate");
   }
-  std::vector<uint32_t> selected;
-  if (options.layers.empty()) {
-    for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
-      selected.push_back(layer);
-    }
-  } else {
-    selected = options.layers;
-    std::sort(selected.begin(), selected.end());
-    selected.erase(std::unique(selected.begin(), selected.end()),
-                   selected.end());
-    if (selected.back() >= g.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", selected.back(), " is out of range: the session has ",
-          g.num_layers, " layers"));
-    }
-  }
-  std::vector<std::string> missing;
-  uint64_t missing_count = 0;
-  for (uint32_t layer : selected) {
-    for (Role role : g.roles()) {
-      for (uint32_t head = 0; head < g.heads(role); ++head) {
-        if (stats.head(layer, role, head).finite_count != 0) continue;
-        ++missing_count;
-        if (missing.size() < 20)
-          missing.push_back(TripleName(layer, role, head));
-      }
-    }
-  }
-  if (missing_count > 0 && !options.allow_missing) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        missing_count, " (layer, role, head) triples have no data: ",
-        absl::StrJoin(missing, ", "),
-        missing_count > missing.size() ? ", ..." : "",
-        " (set allow_missing to finalize the rest)"));
-  }
+  KVCAL_ASSIGN_OR_RETURN(const std::vector<uint32_t> selected,
+                         SelectLayers(g, options.layers));
+  KVCAL_RETURN_IF_ERROR(CheckMissing(stats, selected, options.allow_missing));
 
   ScaleResult result;
   result.layers.resize(selected.size());
@@ -564,47 +625,10 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
     result.layers[slot].layer = selected[slot];
     for (Role role : g.roles()) jobs.push_back({slot, selected[slot], role});
   }
-  const uint32_t log2_bins = g.log2_bins_per_octave();
   auto run_job = [&](size_t index) {
     const Job& job = jobs[index];
-    const uint32_t heads = g.heads(job.role);
-    std::vector<const HeadStatistics*> all(heads);
-    RoleScales out;
-    bool any_missing = false;
-    for (uint32_t h = 0; h < heads; ++h) {
-      all[h] = &stats.head(job.layer, job.role, h);
-      out.count += all[h]->finite_count;
-      out.nonfinite += all[h]->nonfinite_count();
-      any_missing |= all[h]->finite_count == 0;
-    }
-    if (!any_missing) {
-      if (options.granularity == Granularity::kPerTensor) {
-        const float range = ObserverRange(all, options, log2_bins);
-        out.scale.push_back(
-            ScaleFromRange(range, options.margin, options.format));
-        out.absmax.push_back(StaticAbsmax(all));
-      } else {
-        for (uint32_t h = 0; h < heads; ++h) {
-          std::span<const HeadStatistics* const> one(&all[h], 1);
-          const float range = ObserverRange(one, options, log2_bins);
-          out.scale.push_back(
-              ScaleFromRange(range, options.margin, options.format));
-          out.absmax.push_back(StaticAbsmax(one));
-        }
-        if (job.role == Role::kQ && options.q_per_kv_group) {
-          const uint32_t group = g.num_attention_heads / g.num_key_value_heads;
-          std::vector<float> scale(g.num_key_value_heads, 0.0f);
-          std::vector<float> absmax(g.num_key_value_heads, 0.0f);
-          for (uint32_t h = 0; h < heads; ++h) {
-            scale[h / group] = std::max(scale[h / group], out.scale[h]);
-            absmax[h / group] = std::max(absmax[h / group], out.absmax[h]);
-          }
-          out.scale = std::move(scale);
-          out.absmax = std::move(absmax);
-        }
-      }
-    }
-    result.layers[job.slot].roles[RoleIndex(job.role)] = std::move(out);
+    result.layers[job.slot].roles[RoleIndex(job.role)] =
+        ScalesOfRole(stats, options, job.layer, job.role);
   };
   if (options.observer == Observer::kMse ||
       options.observer == Observer::kPercentile) {
