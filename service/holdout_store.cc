@@ -258,31 +258,109 @@ bool HoldoutStore::HasLayer(uint32_t layer) const {
   return false;
 }
 
-absl::StatusOr<LayerEvaluation> HoldoutStore::EvaluateLayer(
-    const Geometry& g, const LayerScales& scales,
-    const EvaluationOptions& options) const {
-  const uint32_t layer = scales.layer;
-  const uint32_t heads = g.num_attention_heads, kv = g.num_key_value_heads;
+namespace {
+
+// The layer's calibrated scales, one per head of each role.
+absl::StatusOr<HeadScales> ExpandLayerScales(const Geometry& g,
+                                             const LayerScales& scales,
+                                             bool q_per_kv_group) {
   HeadScales calibrated;
   for (Role role : kAllRoles) {
     const std::optional<RoleScales>& r = scales.role(role);
     if (!r.has_value() || r->scale.empty()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("layer ", layer, " has no ", RoleName(role),
+          absl::StrCat("layer ", scales.layer, " has no ", RoleName(role),
                        " scales to evaluate (FP8 attention needs Q, K and V)"));
     }
     KVCAL_ASSIGN_OR_RETURN(
         std::vector<float> expanded,
-        ExpandRoleScales(r->scale, role, heads, kv, options.q_per_kv_group));
+        ExpandRoleScales(r->scale, role, g.num_attention_heads,
+                         g.num_key_value_heads, q_per_kv_group));
     (role == Role::kQ   ? calibrated.q
      : role == Role::kK ? calibrated.k
                         : calibrated.v) = std::move(expanded);
   }
+  return calibrated;
+}
+
+// Q, K and V of one held-out batch of a layer, reassembled into sequences
+// (the chunks of each role in (producer, sequence) order); an error unless
+// the three carry the same sequences.
+absl::StatusOr<std::array<RoleSequences, 3>> BatchSequences(
+    const Geometry& g, uint32_t layer, uint64_t batch,
+    std::array<std::vector<const HoldoutChunk*>, 3>& roles) {
+  std::array<RoleSequences, 3> seqs;
+  for (Role role : kAllRoles) {
+    auto& pieces = roles[RoleIndex(role)];
+    std::sort(pieces.begin(), pieces.end(),
+              [](const HoldoutChunk* a, const HoldoutChunk* b) {
+                return std::tie(a->producer_id, a->sequence) <
+                       std::tie(b->producer_id, b->sequence);
+              });
+    const std::string where = absl::StrCat("held-out batch ", batch, ", layer ",
+                                           layer, ", ", RoleName(role));
+    if (pieces.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where,
+                       ": no chunks (a held-out batch needs Q, K "
+                       "and V of the same sequences)"));
+    }
+    KVCAL_ASSIGN_OR_RETURN(
+        seqs[RoleIndex(role)],
+        Reassemble(pieces, g.heads(role), g.head_dim, where));
+  }
+  const RoleSequences& q = seqs[0];
+  for (int r = 1; r < 3; ++r) {
+    if (seqs[r].tokens != q.tokens) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "held-out batch ", batch, ", layer ", layer, ": Q has ",
+          q.tokens.size(), " sequences, ", RoleName(kAllRoles[r]), " ",
+          seqs[r].tokens.size(),
+          " (or their token counts differ): Q, K and V must carry the "
+          "same sequences"));
+    }
+  }
+  return seqs;
+}
+
+// The layer's evaluation from the error sums with its scales and with 1.0.
+LayerEvaluation EvaluationOf(const Geometry& g, uint32_t layer,
+                             const Fp8AttentionErrorSums& sums,
+                             const Fp8AttentionErrorSums& sums_ones) {
+  LayerEvaluation out;
+  out.layer = layer;
+  out.error = sums.RelativeError();
+  out.error_ones = sums_ones.RelativeError();
+  for (uint32_t h = 0; h < g.num_attention_heads; ++h) {
+    out.head_error.push_back(sums.RelativeError(h));
+    out.head_error_ones.push_back(sums_ones.RelativeError(h));
+    out.error_sq += sums.error_sq[h];
+    out.error_sq_ones += sums_ones.error_sq[h];
+    out.reference_sq += sums.reference_sq[h];
+  }
+  for (Role role : kAllRoles) {
+    out.shares[RoleIndex(role)] = SharesOf(sums, role, g.heads(role));
+    out.shares_ones[RoleIndex(role)] = SharesOf(sums_ones, role, g.heads(role));
+  }
+  out.sequences = sums.sequences;
+  out.tokens = sums.tokens;
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<LayerEvaluation> HoldoutStore::EvaluateLayer(
+    const Geometry& g, const LayerScales& scales,
+    const EvaluationOptions& options) const {
+  const uint32_t layer = scales.layer;
+  const uint32_t heads = g.num_attention_heads, kv = g.num_key_value_heads;
+  KVCAL_ASSIGN_OR_RETURN(const HeadScales calibrated,
+                         ExpandLayerScales(g, scales, options.q_per_kv_group));
   const HeadScales ones{std::vector<float>(heads, 1.0f),
                         std::vector<float>(kv, 1.0f),
                         std::vector<float>(kv, 1.0f)};
 
-  // (batch) -> role -> chunks, in (producer, sequence) order.
+  // (batch) -> role -> chunks.
   std::map<uint64_t, std::array<std::vector<const HoldoutChunk*>, 3>> batches;
   std::lock_guard<std::mutex> lock(mu_);
   for (const HoldoutChunk& c : chunks_) {
@@ -296,37 +374,10 @@ absl::StatusOr<LayerEvaluation> HoldoutStore::EvaluateLayer(
   Fp8AttentionOptions attention;
   attention.quantize_q = !options.kv_only;
   for (auto& [batch, roles] : batches) {
-    std::array<RoleSequences, 3> seqs;
-    for (Role role : kAllRoles) {
-      auto& pieces = roles[RoleIndex(role)];
-      std::sort(pieces.begin(), pieces.end(),
-                [](const HoldoutChunk* a, const HoldoutChunk* b) {
-                  return std::tie(a->producer_id, a->sequence) <
-                         std::tie(b->producer_id, b->sequence);
-                });
-      const std::string where = absl::StrCat(
-          "held-out batch ", batch, ", layer ", layer, ", ", RoleName(role));
-      if (pieces.empty()) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(where,
-                         ": no chunks (a held-out batch needs Q, K "
-                         "and V of the same sequences)"));
-      }
-      KVCAL_ASSIGN_OR_RETURN(
-          seqs[RoleIndex(role)],
-          Reassemble(pieces, g.heads(role), g.head_dim, where));
-    }
+    using Sequences = std::array<RoleSequences, 3>;
+    KVCAL_ASSIGN_OR_RETURN(const Sequences seqs,
+                           BatchSequences(g, layer, batch, roles));
     const RoleSequences& q = seqs[0];
-    for (int r = 1; r < 3; ++r) {
-      if (seqs[r].tokens != q.tokens) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "held-out batch ", batch, ", layer ", layer, ": Q has ",
-            q.tokens.size(), " sequences, ", RoleName(kAllRoles[r]), " ",
-            seqs[r].tokens.size(),
-            " (or their token counts differ): Q, K and V must carry the "
-            "same sequences"));
-      }
-    }
     for (size_t s = 0; s < q.tokens.size(); ++s) {
       if (q.tokens[s] == 0) continue;
       const AttentionInputs in{static_cast<uint32_t>(q.tokens[s]),
@@ -342,24 +393,7 @@ absl::StatusOr<LayerEvaluation> HoldoutStore::EvaluateLayer(
           AccumulateFp8AttentionError(in, ones, attention, &sums_ones));
     }
   }
-  LayerEvaluation out;
-  out.layer = layer;
-  out.error = sums.RelativeError();
-  out.error_ones = sums_ones.RelativeError();
-  for (uint32_t h = 0; h < heads; ++h) {
-    out.head_error.push_back(sums.RelativeError(h));
-    out.head_error_ones.push_back(sums_ones.RelativeError(h));
-    out.error_sq += sums.error_sq[h];
-    out.error_sq_ones += sums_ones.error_sq[h];
-    out.reference_sq += sums.reference_sq[h];
-  }
-  for (Role role : kAllRoles) {
-    out.shares[RoleIndex(role)] = SharesOf(sums, role, g.heads(role));
-    out.shares_ones[RoleIndex(role)] = SharesOf(sums_ones, role, g.heads(role));
-  }
-  out.sequences = sums.sequences;
-  out.tokens = sums.tokens;
-  return out;
+  return EvaluationOf(g, layer, sums, sums_ones);
 }
 
 }  // namespace kvcal::service
