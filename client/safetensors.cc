@@ -45,10 +45,11 @@ uint64_t TensorInfo::elements() const {
   return n;
 }
 
-absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
-                                                         uint64_t data_size) {
-  // nlohmann keeps the last of duplicate keys; a parser callback sees every
-  // top-level key, so duplicates are caught here.
+namespace {
+
+// The header's JSON object, refusing a duplicate top-level key (nlohmann
+// keeps the last of duplicates; a parser callback sees every key).
+absl::StatusOr<Json> ParseHeaderObject(absl::string_view json) {
   std::set<std::string> seen;
   std::string duplicate;
   Json::parser_callback_t callback = [&](int depth, Json::parse_event_t event,
@@ -69,81 +70,90 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", duplicate, "' appears twice in the header"));
   }
-  SafetensorsHeader result;
-  for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      if (!entry.is_object()) {
-        return absl::InvalidArgumentError("__metadata__ is not an object");
-      }
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("__metadata__ entry '", key, "' is not a string"));
-        }
-        result.metadata[key] = value.get<std::string>();
-      }
-      continue;
-    }
-    if (!entry.is_object() || !entry.contains("dtype") ||
-        !entry.contains("shape") || !entry.contains("data_offsets") ||
-        !entry["dtype"].is_string() || !entry["shape"].is_array() ||
-        !entry["data_offsets"].is_array() ||
-        entry["data_offsets"].size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", name,
-          "': entry needs dtype (string), shape (array) and data_offsets "
-          "([begin, end])"));
-    }
-    TensorInfo info;
-    info.name = name;
-    info.dtype = entry["dtype"].get<std::string>();
-    const std::optional<size_t> element_size = SafetensorsDTypeSize(info.dtype);
-    if (!element_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", name, "': unknown dtype '", info.dtype, "'"));
-    }
-    uint64_t elements = 1;
-    for (const Json& d : entry["shape"]) {
-      if (!d.is_number_unsigned()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", name, "': shape has a non-integer or negative entry"));
-      }
-      const uint64_t dim = d.get<uint64_t>();
-      if (dim != 0 && elements > UINT64_MAX / dim) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor '", name, "': shape overflows"));
-      }
-      elements *= dim;
-      info.shape.push_back(dim);
-    }
-    for (const Json& o : entry["data_offsets"]) {
-      if (!o.is_number_unsigned()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", name, "': data_offsets are not unsigned integers"));
-      }
-    }
-    info.begin = entry["data_offsets"][0].get<uint64_t>();
-    info.end = entry["data_offsets"][1].get<uint64_t>();
-    if (info.begin > info.end || info.end > data_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", name, "': data_offsets [", info.begin, ", ", info.end,
-          ") out of range of the ", data_size, "-byte data buffer"));
-    }
-    if (elements > UINT64_MAX / *element_size ||
-        elements * *element_size != info.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor '", name, "': shape ", ShapeString(info.shape),
-                       " ", info.dtype, " needs ", elements * *element_size,
-                       " bytes, data_offsets give ", info.size()));
-    }
-    result.tensors.push_back(std::move(info));
+  return header;
+}
+
+// __metadata__: an object of strings.
+absl::Status ParseMetadata(const Json& entry,
+                           std::map<std::string, std::string>& metadata) {
+  if (!entry.is_object()) {
+    return absl::InvalidArgumentError("__metadata__ is not an object");
   }
-  std::sort(result.tensors.begin(), result.tensors.end(),
-            [](const TensorInfo& a, const TensorInfo& b) {
-              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-            });
+  for (const auto& [key, value] : entry.items()) {
+    if (!value.is_string()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("__metadata__ entry '", key, "' is not a string"));
+    }
+    metadata[key] = value.get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+// One tensor's entry, checked on its own: known dtype, a shape that does
+// not overflow, data_offsets within the data and as long as the shape needs.
+absl::StatusOr<TensorInfo> ParseTensorEntry(const std::string& name,
+                                            const Json& entry,
+                                            uint64_t data_size) {
+  if (!entry.is_object() || !entry.contains("dtype") ||
+      !entry.contains("shape") || !entry.contains("data_offsets") ||
+      !entry["dtype"].is_string() || !entry["shape"].is_array() ||
+      !entry["data_offsets"].is_array() || entry["data_offsets"].size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", name,
+        "': entry needs dtype (string), shape (array) and data_offsets "
+        "([begin, end])"));
+  }
+  TensorInfo info;
+  info.name = name;
+  info.dtype = entry["dtype"].get<std::string>();
+  const std::optional<size_t> element_size = SafetensorsDTypeSize(info.dtype);
+  if (!element_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "': unknown dtype '", info.dtype, "'"));
+  }
+  uint64_t elements = 1;
+  for (const Json& d : entry["shape"]) {
+    if (!d.is_number_unsigned()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", name, "': shape has a non-integer or negative entry"));
+    }
+    const uint64_t dim = d.get<uint64_t>();
+    if (dim != 0 && elements > UINT64_MAX / dim) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", name, "': shape overflows"));
+    }
+    elements *= dim;
+    info.shape.push_back(dim);
+  }
+  for (const Json& o : entry["data_offsets"]) {
+    if (!o.is_number_unsigned()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", name, "': data_offsets are not unsigned integers"));
+    }
+  }
+  info.begin = entry["data_offsets"][0].get<uint64_t>();
+  info.end = entry["data_offsets"][1].get<uint64_t>();
+  if (info.begin > info.end || info.end > data_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", name, "': data_offsets [", info.begin, ", ", info.end,
+        ") out of range of the ", data_size, "-byte data buffer"));
+  }
+  if (elements > UINT64_MAX / *element_size ||
+      elements * *element_size != info.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "': shape ", ShapeString(info.shape),
+                     " ", info.dtype, " needs ", elements * *element_size,
+                     " bytes, data_offsets give ", info.size()));
+  }
+  return info;
+}
+
+// The tensors (sorted by offset) must tile the data buffer: no overlap, no
+// gap, nothing after the last.
+absl::Status CheckTiling(const std::vector<TensorInfo>& tensors,
+                         uint64_t data_size) {
   uint64_t cursor = 0;
-  for (const TensorInfo& t : result.tensors) {
+  for (const TensorInfo& t : tensors) {
     if (t.begin < cursor) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", t.name, "': data_offsets [", t.begin, ", ", t.end,
@@ -161,6 +171,29 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
                                                    " bytes of the ", data_size,
                                                    "-byte data buffer"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
+                                                         uint64_t data_size) {
+  KVCAL_ASSIGN_OR_RETURN(const Json header, ParseHeaderObject(json));
+  SafetensorsHeader result;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      KVCAL_RETURN_IF_ERROR(ParseMetadata(entry, result.metadata));
+      continue;
+    }
+    KVCAL_ASSIGN_OR_RETURN(TensorInfo info,
+                           ParseTensorEntry(name, entry, data_size));
+    result.tensors.push_back(std::move(info));
+  }
+  std::sort(result.tensors.begin(), result.tensors.end(),
+            [](const TensorInfo& a, const TensorInfo& b) {
+              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+            });
+  KVCAL_RETURN_IF_ERROR(CheckTiling(result.tensors, data_size));
   return result;
 }
 
