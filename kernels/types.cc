@@ -118,10 +118,9 @@ bool CheckedMul(uint64_t a, uint64_t b, uint64_t* out) {
   return !__builtin_mul_overflow(a, b, out);
 }
 
-}  // namespace
-
-absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
-                                          const ChunkView& chunk) {
+// The chunk's role, dtype and layout are values the enums define, its layer
+// is in range and its role collected.
+absl::Status CheckChunkKind(const Geometry& geometry, const ChunkView& chunk) {
   const uint32_t role_value = static_cast<uint32_t>(chunk.role);
   if (role_value < 1 || role_value > 3) {
     return absl::InvalidArgumentError(
@@ -146,8 +145,15 @@ absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
     return absl::InvalidArgumentError(absl::StrCat(
         "role ", RoleName(chunk.role), " is not collected by this session"));
   }
+  return absl::OkStatus();
+}
+
+// The shape's head count, once its rank fits the layout, its last dim is
+// head_dim and its heads (from head_offset) fit the role's.
+absl::StatusOr<uint64_t> ChunkHeads(const Geometry& geometry,
+                                    const ChunkView& chunk,
+                                    const std::string& shape_text) {
   const auto& shape = chunk.shape;
-  const std::string shape_text = ShapeString(shape);
   if (chunk.layout == Layout::kHeadsTokensDim) {
     if (shape.size() != 4) {
       return absl::InvalidArgumentError(
@@ -181,6 +187,13 @@ absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
         ") of shape ", shape_text, " exceed the ", role_heads, " ",
         RoleName(chunk.role), " heads of the session"));
   }
+  return heads;
+}
+
+// The bytes the shape needs in the chunk's dtype; an error on overflow.
+absl::StatusOr<uint64_t> ShapeBytes(const ChunkView& chunk,
+                                    const std::string& shape_text) {
+  const auto& shape = chunk.shape;
   // A zero dimension makes the product 0 whatever the other dimensions are,
   // so the overflow check must not depend on where the zero stands.
   const bool empty =
@@ -193,18 +206,32 @@ absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
           "element count of shape ", shape_text, " overflows 64 bits"));
     }
   }
-  uint64_t expected_bytes = 0;
-  if (!CheckedMul(elements, DTypeSize(chunk.dtype), &expected_bytes)) {
+  uint64_t bytes = 0;
+  if (!CheckedMul(elements, DTypeSize(chunk.dtype), &bytes)) {
     return absl::InvalidArgumentError(
         absl::StrCat("byte count of shape ", shape_text, " overflows 64 bits"));
   }
-  if (chunk.byte_size() != expected_bytes) {
+  return bytes;
+}
+
+}  // namespace
+
+absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
+                                          const ChunkView& chunk) {
+  if (absl::Status s = CheckChunkKind(geometry, chunk); !s.ok()) return s;
+  const auto& shape = chunk.shape;
+  const std::string shape_text = ShapeString(shape);
+  absl::StatusOr<uint64_t> heads = ChunkHeads(geometry, chunk, shape_text);
+  if (!heads.ok()) return heads.status();
+  absl::StatusOr<uint64_t> expected_bytes = ShapeBytes(chunk, shape_text);
+  if (!expected_bytes.ok()) return expected_bytes.status();
+  if (chunk.byte_size() != *expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "data is ", chunk.byte_size(), " bytes, shape ", shape_text, " ",
-        DTypeName(chunk.dtype), " needs ", expected_bytes));
+        DTypeName(chunk.dtype), " needs ", *expected_bytes));
   }
   ChunkExtent extent;
-  extent.heads = static_cast<uint32_t>(heads);
+  extent.heads = static_cast<uint32_t>(*heads);
   if (chunk.layout == Layout::kHeadsTokensDim) {
     extent.outer = shape[0];
     extent.inner = shape[2] * shape[3];
