@@ -35,8 +35,6 @@ test_vllm_live.py.
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -200,17 +198,10 @@ def _vllm_refused_updates(s1_dir, scale_names, kv_cache_dtype, bad):
 
 class _Child(own.VllmProcess):
     """test_vllm_own_code's child process, running this module's `_vllm_*`
-    functions (VllmProcess names its own module)."""
+    functions."""
 
     def __init__(self, log_path):
-        env = dict(os.environ, KVCAL_VLLM_DIR=own.VLLM_DIR, KVCAL_TESTS_DIR=HERE,
-                   KVCAL_TEST_MODULE=__name__.rpartition(".")[2],
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                   VLLM_DO_NOT_TRACK="1")
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", own._CHILD], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
+        super().__init__(log_path, module=__name__, tests_dir=HERE)
 
 
 @pytest.fixture(scope="module")

@@ -248,9 +248,16 @@ class VllmProcess:
     """A child Python with vLLM on its path; call() runs one `_vllm_*`
     function there and returns its result or raises VllmError."""
 
-    def __init__(self, log_path):
-        env = dict(os.environ, KVCAL_VLLM_DIR=VLLM_DIR, KVCAL_TESTS_DIR=os.path.dirname(__file__),
-                   KVCAL_TEST_MODULE=__name__.rpartition(".")[2],
+    def __init__(self, log_path, module=__name__, tests_dir=os.path.dirname(__file__)):
+        # PYTHONPATH as well as the child's sys.path: vLLM inspects model
+        # classes in a process of its own (`python -m
+        # vllm.model_executor.models.registry`), which must find the same
+        # vLLM. Its model-info cache lives beside the log, so what an earlier
+        # run on this machine cached decides nothing.
+        path = [VLLM_DIR, tests_dir] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env = dict(os.environ, KVCAL_VLLM_DIR=VLLM_DIR, KVCAL_TESTS_DIR=tests_dir,
+                   KVCAL_TEST_MODULE=module.rpartition(".")[2], PYTHONPATH=os.pathsep.join(path),
+                   VLLM_CACHE_ROOT=os.path.join(os.path.dirname(log_path), "vllm-cache"),
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    VLLM_DO_NOT_TRACK="1")
         self.log_path = log_path
