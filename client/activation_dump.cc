@@ -10,8 +10,10 @@
 
 namespace kvcal {
 
-absl::StatusOr<ActivationDump> ActivationDump::Open(const std::string& dir,
-                                                    const Geometry* geometry) {
+namespace {
+
+// The *.safetensors files of `dir`, sorted by name.
+absl::StatusOr<std::vector<std::string>> ListDumpFiles(const std::string& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
@@ -30,69 +32,105 @@ absl::StatusOr<ActivationDump> ActivationDump::Open(const std::string& dir,
     return absl::NotFoundError(
         absl::StrCat("dump directory ", dir, " has no *.safetensors files"));
   }
+  return names;
+}
+
+// A dump file's __metadata__: its batch (`index` in the sorted file list
+// when not given) and its layout (tokens_heads_dim when not given).
+struct DumpFileMetadata {
+  uint64_t batch = 0;
+  Layout layout = Layout::kTokensHeadsDim;
+};
+
+absl::StatusOr<DumpFileMetadata> ReadDumpMetadata(const SafetensorsFile& file,
+                                                  const std::string& path,
+                                                  uint64_t index) {
+  DumpFileMetadata out{.batch = index};
+  if (auto it = file.metadata().find("batch"); it != file.metadata().end()) {
+    if (!absl::SimpleAtoi(it->second, &out.batch)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": __metadata__ batch '", it->second, "' is not a number"));
+    }
+  }
+  if (auto it = file.metadata().find("layout"); it != file.metadata().end()) {
+    if (it->second == "heads_tokens_dim") {
+      out.layout = Layout::kHeadsTokensDim;
+    } else if (it->second != "tokens_heads_dim") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": __metadata__ layout '", it->second,
+                       "' (expected tokens_heads_dim or heads_tokens_dim)"));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<DType> ActivationDType(const std::string& path,
+                                      const TensorInfo& t) {
+  if (t.dtype == "F32") return DType::kF32;
+  if (t.dtype == "F16") return DType::kF16;
+  if (t.dtype == "BF16") return DType::kBf16;
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": tensor '", t.name, "' has dtype ", t.dtype,
+                   "; activations must be F32, F16 or BF16"));
+}
+
+// Tensor `t` of the dump file `file_name` (at `path`), checked: its name, dtype
+// and rank, and with `geometry` that it is a valid chunk.
+absl::StatusOr<DumpTensor> ReadDumpTensor(const SafetensorsFile& file,
+                                          const std::string& path,
+                                          const std::string& file_name,
+                                          const DumpFileMetadata& metadata,
+                                          const TensorInfo& t,
+                                          const Geometry* geometry) {
+  const absl::StatusOr<LayerRole> name = ParseActivationTensorName(t.name);
+  if (!name.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", name.status().message()));
+  }
+  DumpTensor d;
+  d.file = file_name;
+  d.name = t.name;
+  d.batch = metadata.batch;
+  d.layer = name->layer;
+  d.role = name->role;
+  KVCAL_ASSIGN_OR_RETURN(d.dtype, ActivationDType(path, t));
+  d.layout = metadata.layout;
+  d.shape = t.shape;
+  d.data = file.Data(t);
+  const bool heads_first = d.layout == Layout::kHeadsTokensDim;
+  if (heads_first ? t.shape.size() != 4 : t.shape.size() < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": tensor '", t.name, "' has rank ", t.shape.size(),
+        heads_first ? "; layout heads_tokens_dim needs [batch, heads, seq, "
+                      "head_dim]"
+                    : "; needs [tokens, heads, head_dim]"));
+  }
+  if (geometry != nullptr) {
+    auto extent = ValidateChunk(*geometry, d.View());
+    if (!extent.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": tensor '", t.name, "': ", extent.status().message()));
+    }
+  }
+  return d;
+}
+
+}  // namespace
+
+absl::StatusOr<ActivationDump> ActivationDump::Open(const std::string& dir,
+                                                    const Geometry* geometry) {
+  KVCAL_ASSIGN_OR_RETURN(const std::vector<std::string> names,
+                         ListDumpFiles(dir));
   ActivationDump dump;
   for (size_t i = 0; i < names.size(); ++i) {
-    const std::string path = (fs::path(dir) / names[i]).string();
+    const std::string path = (std::filesystem::path(dir) / names[i]).string();
     KVCAL_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(path));
-    uint64_t batch = i;
-    Layout layout = Layout::kTokensHeadsDim;
-    if (auto it = file.metadata().find("batch"); it != file.metadata().end()) {
-      if (!absl::SimpleAtoi(it->second, &batch)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            path, ": __metadata__ batch '", it->second, "' is not a number"));
-      }
-    }
-    if (auto it = file.metadata().find("layout"); it != file.metadata().end()) {
-      if (it->second == "heads_tokens_dim") {
-        layout = Layout::kHeadsTokensDim;
-      } else if (it->second != "tokens_heads_dim") {
-        return absl::InvalidArgumentError(
-            absl::StrCat(path, ": __metadata__ layout '", it->second,
-                         "' (expected tokens_heads_dim or heads_tokens_dim)"));
-      }
-    }
+    KVCAL_ASSIGN_OR_RETURN(const DumpFileMetadata metadata,
+                           ReadDumpMetadata(file, path, i));
     for (const TensorInfo& t : file.tensors()) {
-      const absl::StatusOr<LayerRole> name = ParseActivationTensorName(t.name);
-      if (!name.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(path, ": ", name.status().message()));
-      }
-      DumpTensor d;
-      d.file = names[i];
-      d.name = t.name;
-      d.batch = batch;
-      d.layer = name->layer;
-      d.role = name->role;
-      if (t.dtype == "F32") {
-        d.dtype = DType::kF32;
-      } else if (t.dtype == "F16") {
-        d.dtype = DType::kF16;
-      } else if (t.dtype == "BF16") {
-        d.dtype = DType::kBf16;
-      } else {
-        return absl::InvalidArgumentError(
-            absl::StrCat(path, ": tensor '", t.name, "' has dtype ", t.dtype,
-                         "; activations must be F32, F16 or BF16"));
-      }
-      d.layout = layout;
-      d.shape = t.shape;
-      d.data = file.Data(t);
-      if (layout == Layout::kHeadsTokensDim ? t.shape.size() != 4
-                                            : t.shape.size() < 2) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            path, ": tensor '", t.name, "' has rank ", t.shape.size(),
-            layout == Layout::kHeadsTokensDim
-                ? "; layout heads_tokens_dim needs [batch, heads, seq, "
-                  "head_dim]"
-                : "; needs [tokens, heads, head_dim]"));
-      }
-      if (geometry != nullptr) {
-        auto extent = ValidateChunk(*geometry, d.View());
-        if (!extent.ok()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              path, ": tensor '", t.name, "': ", extent.status().message()));
-        }
-      }
+      KVCAL_ASSIGN_OR_RETURN(
+          DumpTensor d,
+          ReadDumpTensor(file, path, names[i], metadata, t, geometry));
       dump.total_bytes_ += t.size();
       dump.tensors_.push_back(std::move(d));
     }

@@ -309,6 +309,15 @@ absl::StatusOr<v1::Session> CalibrationClient::CheckSessionWorkers(
   // hold the same map.
   const v1::Session& any = **std::find_if(sessions.begin(), sessions.end(),
                                           [](const auto& s) { return s.ok(); });
+  KVCAL_RETURN_IF_ERROR(CheckShardMap(session_id, any, sessions, have, lack));
+  return any;
+}
+
+absl::Status CalibrationClient::CheckShardMap(
+    const std::string& session_id, const v1::Session& any,
+    const std::vector<absl::StatusOr<v1::Session>>& sessions,
+    const std::vector<std::string>& have,
+    const std::vector<std::string>& lack) const {
   for (size_t i = 0; i < sessions.size(); ++i) {
     if (sessions[i].ok() && sessions[i]->shard_map().SerializeAsString() !=
                                 any.shard_map().SerializeAsString()) {
@@ -363,7 +372,7 @@ absl::StatusOr<v1::Session> CalibrationClient::CheckSessionWorkers(
           "it)"));
     }
   }
-  return any;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Session> CalibrationClient::GetSession(

@@ -107,6 +107,14 @@ class CalibrationClient {
                                                  std::string current,
                                                  std::string* found_at) const;
   bool sharded() const { return workers_.size() > 1; }
+  // The session's shard map (the first worker's that has it, `any`) agrees
+  // with every worker's and with this client's worker set and sharding
+  // rule; `have` and `lack` are the ids of the workers with and without it.
+  absl::Status CheckShardMap(
+      const std::string& session_id, const v1::Session& any,
+      const std::vector<absl::StatusOr<v1::Session>>& sessions,
+      const std::vector<std::string>& have,
+      const std::vector<std::string>& lack) const;
 
   ConnectionOptions options_;
   std::vector<std::string> specs_;  // the endpoints as given

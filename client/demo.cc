@@ -101,21 +101,10 @@ absl::StatusOr<Json> FinalizeBothObservers(CalibrationClient& client,
   return observers;
 }
 
-}  // namespace
-
-absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
-  const absl::Time start = absl::Now();
-  std::ostream& out = std::cout;
-  const bool text = !args.json;
-  double ratio = 0;  // median mse / static-minmax scale
-  // Each step's line appears as it happens, in order with the progress
-  // lines on stderr, even through a pipe.
-  if (text) out << std::unitbuf;
-  KVCAL_ASSIGN_OR_RETURN(const std::string dir, DemoDirectory(args.dir));
-  const std::string model_dir = dir + "/model";
-  const std::string dump_dir = dir + "/dumps";
-
-  // 1. A small Llama-style model and its activation dumps.
+// Step 1: a small Llama-style checkpoint in DIR/model and its activation
+// dumps in DIR/dumps.
+absl::Status WriteDemoInputs(const std::string& model_dir,
+                             const std::string& dump_dir, std::ostream* out) {
   DemoModelOptions model;
   model.num_layers = 4;
   model.num_attention_heads = 8;
@@ -126,28 +115,87 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
   DemoDumpOptions dumps{.batches = 4, .tokens = 256};
   KVCAL_RETURN_IF_ERROR(WriteDemoCheckpoint(model_dir, model));
   KVCAL_RETURN_IF_ERROR(WriteDemoDumps(dump_dir, model, dumps));
-  if (text) {
-    out << absl::StrFormat(
+  if (out != nullptr) {
+    *out << absl::StrFormat(
         "[1/6] wrote a Llama-style checkpoint (%u layers, %u query heads, %u "
-        "KV "
-        "heads, head_dim %u; two shards + index) to %s\n"
+        "KV heads, head_dim %u; two shards + index) to %s\n"
         "      and %u batches x %u tokens of Q/K/V activations (Student-t "
-        "tails, "
-        "outlier heads, outlier K channels) to %s\n",
+        "tails, outlier heads, outlier K channels) to %s\n",
         model.num_layers, model.num_attention_heads, model.num_key_value_heads,
         model.head_dim, model_dir, dumps.batches, dumps.tokens, dump_dir);
   }
+  return absl::OkStatus();
+}
 
-  // 2. A local worker.
-  std::string binary = args.worker;
-  if (binary.empty()) {
-    KVCAL_ASSIGN_OR_RETURN(binary, FindWorkerBinary());
+// Step 2: a local worker (`binary`, or the one next to kvcal).
+absl::StatusOr<std::unique_ptr<LocalWorker>> StartDemoWorker(
+    const DemoArgs& args) {
+  LocalWorker::Options options;
+  options.binary = args.worker;
+  if (options.binary.empty()) {
+    KVCAL_ASSIGN_OR_RETURN(options.binary, FindWorkerBinary());
   }
-  LocalWorker::Options worker_options;
-  worker_options.binary = binary;
-  worker_options.backend = args.backend;
+  options.backend = args.backend;
+  return LocalWorker::Start(options);
+}
+
+// Step 5: patch the checkpoint in place with `scales`, then inspect it.
+absl::StatusOr<InspectReport> PatchAndInspect(const std::string& model_dir,
+                                              const std::string& scales,
+                                              std::ostream* out) {
+  PatchOptions patch;
+  patch.checkpoint_dir = model_dir;
+  patch.scales_path = scales;
+  KVCAL_ASSIGN_OR_RETURN(PatchReport patched, PatchCheckpoint(patch));
+  if (out != nullptr) {
+    *out << absl::StrFormat(
+        "[5/6] patched %s in place: wrote %s; %u original tensors verified "
+        "byte for byte\n",
+        model_dir, absl::StrJoin(patched.files_written, ", "),
+        patched.tensors_verified);
+  }
+  KVCAL_ASSIGN_OR_RETURN(InspectReport inspect, InspectCheckpoint(model_dir));
+  if (out != nullptr) {
+    *out << "[6/6] kvcal inspect " << model_dir << "\n" << inspect.ToText();
+  }
+  return inspect;
+}
+
+// The closing lines: the time taken, how the worker stopped, where the
+// results are.
+void PrintDemoEnd(std::ostream& out, absl::Duration took,
+                  const absl::Status& stopped, const std::string& dir) {
+  out << absl::StrFormat(
+      "done in %.1fs; worker stopped (%s).\n"
+      "  checkpoint: %s/model\n"
+      "  scales:     %s/scales-{static_minmax,mse}.safetensors\n"
+      "  dumps:      %s/dumps\n"
+      "  try:        kvcal inspect %s/model\n",
+      absl::ToDoubleSeconds(took),
+      stopped.ok() ? "SIGTERM, exit 0" : std::string(stopped.message()), dir,
+      dir, dir, dir);
+}
+
+}  // namespace
+
+absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
+  const absl::Time start = absl::Now();
+  std::ostream& out = std::cout;
+  const bool text = !args.json;
+  std::ostream* const steps = text ? &out : nullptr;
+  // Each step's line appears as it happens, in order with the progress
+  // lines on stderr, even through a pipe.
+  if (text) out << std::unitbuf;
+  KVCAL_ASSIGN_OR_RETURN(const std::string dir, DemoDirectory(args.dir));
+  const std::string model_dir = dir + "/model";
+  const std::string dump_dir = dir + "/dumps";
+
+  // 1. A small Llama-style model and its activation dumps.
+  KVCAL_RETURN_IF_ERROR(WriteDemoInputs(model_dir, dump_dir, steps));
+
+  // 2. A local worker and a session on it.
   KVCAL_ASSIGN_OR_RETURN(std::unique_ptr<LocalWorker> worker,
-                         LocalWorker::Start(worker_options));
+                         StartDemoWorker(args));
   // Held in an optional so its channel closes before the worker is stopped:
   // an open connection makes the worker's drain wait out its grace period.
   std::optional<CalibrationClient> client;
@@ -160,8 +208,8 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
     out << absl::StrFormat(
         "[2/6] started %s on %s (backend %s, log %s); session '%s', 64 "
         "histogram bins per octave\n",
-        binary, worker->address(), session.backend(), worker->log_path(),
-        session.session_id());
+        worker->binary(), worker->address(), session.backend(),
+        worker->log_path(), session.session_id());
   }
 
   // 3. Push.
@@ -180,10 +228,10 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
   }
 
   // 4. Finalize per head with two observers.
+  double ratio = 0;  // median mse / static-minmax scale
   KVCAL_ASSIGN_OR_RETURN(
       const Json observers,
-      FinalizeBothObservers(*client, session.session_id(), dir,
-                            text ? &out : nullptr, ratio));
+      FinalizeBothObservers(*client, session.session_id(), dir, steps, ratio));
   if (text) {
     out << absl::StrFormat(
         "      median mse/static-minmax scale ratio: %.3f (MSE clips the heavy "
@@ -192,37 +240,14 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
   }
 
   // 5. Patch in place with the MSE scales, then inspect.
-  const std::string mse_scales = dir + "/scales-mse.safetensors";
-  PatchOptions patch;
-  patch.checkpoint_dir = model_dir;
-  patch.scales_path = mse_scales;
-  KVCAL_ASSIGN_OR_RETURN(PatchReport patched, PatchCheckpoint(patch));
-  if (text) {
-    out << absl::StrFormat(
-        "[5/6] patched %s in place: wrote %s; %u original tensors verified "
-        "byte "
-        "for byte\n",
-        model_dir, absl::StrJoin(patched.files_written, ", "),
-        patched.tensors_verified);
-  }
-  KVCAL_ASSIGN_OR_RETURN(InspectReport inspect, InspectCheckpoint(model_dir));
-  if (text)
-    out << "[6/6] kvcal inspect " << model_dir << "\n" << inspect.ToText();
+  KVCAL_ASSIGN_OR_RETURN(
+      InspectReport inspect,
+      PatchAndInspect(model_dir, dir + "/scales-mse.safetensors", steps));
 
   // 6. Stop the worker.
   client.reset();
   const absl::Status stopped = worker->Stop();
-  if (text) {
-    out << absl::StrFormat(
-        "done in %.1fs; worker stopped (%s).\n"
-        "  checkpoint: %s\n  scales:     "
-        "%s/scales-{static_minmax,mse}.safetensors\n"
-        "  dumps:      %s\n"
-        "  try:        kvcal inspect %s\n",
-        absl::ToDoubleSeconds(absl::Now() - start),
-        stopped.ok() ? "SIGTERM, exit 0" : std::string(stopped.message()),
-        model_dir, dir, dump_dir, model_dir);
-  }
+  if (text) PrintDemoEnd(out, absl::Now() - start, stopped, dir);
   KVCAL_RETURN_IF_ERROR(stopped);
   if (!inspect.ok()) {
     return absl::InternalError("the patched checkpoint failed inspection");
@@ -231,7 +256,7 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
       Json{{"dir", dir},
            {"checkpoint", model_dir},
            {"dumps", dump_dir},
-           {"worker", binary},
+           {"worker", worker->binary()},
            {"backend", session.backend()},
            {"chunks", pushed.upload.chunks},
            {"bytes", pushed.upload.bytes},

@@ -63,6 +63,7 @@ absl::StatusOr<std::unique_ptr<LocalWorker>> LocalWorker::Start(
     return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
   }
   worker->dir_ = dir_template;
+  worker->binary_ = options.binary;
   const std::string port_file = worker->dir_ + "/port";
   worker->log_path_ = worker->dir_ + "/worker.log";
   std::vector<std::string> args = {

@@ -47,6 +47,8 @@ class LocalWorker {
 
   int port() const { return port_; }
   std::string address() const;
+  // The executable it runs (Options::binary).
+  const std::string& binary() const { return binary_; }
   const std::string& log_path() const { return log_path_; }
   pid_t pid() const { return pid_; }
 
@@ -60,6 +62,7 @@ class LocalWorker {
 
   pid_t pid_ = -1;
   int port_ = 0;
+  std::string binary_;
   std::string dir_;
   std::string log_path_;
 };

@@ -614,35 +614,86 @@ double ClipOvershoot(const EvaluationRow& best, bool kv_only, Format format) {
   return over;
 }
 
+// Of the rows of one kind (K/V only or Q/K/V): the simplest (static
+// min-max per tensor, when evaluated), replaced by the lowest-loss row only
+// when its loss is lower by more than kSignificantNats (on a few thousand
+// evaluation tokens smaller differences are run-to-run spread) and its mean
+// attention error is not larger. Null when no row is of that kind.
+const EvaluationRow* SimplestOrBest(
+    const std::vector<EvaluationRow>& evaluations, bool kv_only) {
+  const EvaluationRow* base = nullptr;
+  const EvaluationRow* best = nullptr;
+  for (const EvaluationRow& r : evaluations) {
+    if (r.kv_only != kv_only) continue;
+    if (!best || r.delta_nll < best->delta_nll) best = &r;
+    if (!base && r.observer == "static_minmax" && r.granularity == "tensor") {
+      base = &r;
+    }
+  }
+  if (!base) return best;
+  // A lower loss with a larger attention error is not trusted: on this
+  // few tokens the loss moves by chance, the attention error does not.
+  return best->delta_nll < base->delta_nll - kSignificantNats &&
+                 best->attention_mean <= base->attention_mean
+             ? best
+             : base;
+}
+
+// Why `best` (the chosen row) over static min-max per tensor and over
+// scale 1.0.
+std::string ChoiceReason(const EvaluationRow& best) {
+  std::string why =
+      best.observer == "static_minmax" && best.granularity == "tensor"
+          ? absl::StrFormat(
+                "no observer or granularity lowers the loss by more than "
+                "%.3f nats/token against static min-max per tensor, the "
+                "simplest (it cannot saturate on its calibration data and "
+                "loads in every vLLM attention backend)",
+                kSignificantNats)
+          : absl::StrFormat(
+                "it lowers the loss by more than %.3f nats/token against "
+                "static min-max per tensor, at no larger attention error",
+                kSignificantNats);
+  if (best.delta_nll_ones > best.delta_nll + kSignificantNats) {
+    absl::StrAppendFormat(&why, "; scale 1.0 costs %+.4f nats/token more",
+                          best.delta_nll_ones - best.delta_nll);
+  } else {
+    absl::StrAppendFormat(
+        &why,
+        "; scale 1.0 is not measurably worse here (%+.4f vs %+.4f "
+        "nats/token, attention error %s vs %s, saturating %s): calibrated "
+        "scales still guard against values beyond 448",
+        best.delta_nll_ones, best.delta_nll, Percent(best.attention_ones_mean),
+        Percent(best.attention_mean), Percent(best.saturated_ones, 4));
+  }
+  return why;
+}
+
+// The scale margin `best` needs so that the evaluation's maxima do not
+// saturate (1.0 when they stay within the clip points), and why.
+double MarginFor(const EvaluationRow& best, bool kv_only, Format format,
+                 std::string& why) {
+  const double over = ClipOvershoot(best, kv_only, format);
+  if (best.saturated > 0 && over > 1.0) {
+    why = absl::StrFormat(
+        "the evaluation's maxima pass the clip points by up to %.3fx "
+        "(%s of values saturate)",
+        over, Percent(best.saturated, 4));
+    return std::ceil(over * 20.0) / 20.0;
+  }
+  why = absl::StrFormat(
+      "the evaluation's maxima stay within the clip points (at most %.3f "
+      "of them)",
+      over);
+  return 1.0;
+}
+
 // From measured evaluations (kvcal.torch.evaluate).
 Recommendation RecommendFromEvaluations(
     const std::vector<EvaluationRow>& evaluations, Format format) {
   Recommendation out;
-  // Per kind (K/V only, Q/K/V): the simplest row (static min-max per
-  // tensor, when evaluated), replaced by the lowest-loss row only when its
-  // loss is lower by more than kSignificantNats (on a few thousand
-  // evaluation tokens smaller differences are run-to-run spread) and its
-  // mean attention error is not larger.
-  const auto simplest_or_best = [&](bool kv) -> const EvaluationRow* {
-    const EvaluationRow* base = nullptr;
-    const EvaluationRow* best = nullptr;
-    for (const EvaluationRow& r : evaluations) {
-      if (r.kv_only != kv) continue;
-      if (!best || r.delta_nll < best->delta_nll) best = &r;
-      if (!base && r.observer == "static_minmax" && r.granularity == "tensor") {
-        base = &r;
-      }
-    }
-    if (!base) return best;
-    // A lower loss with a larger attention error is not trusted: on this
-    // few tokens the loss moves by chance, the attention error does not.
-    return best->delta_nll < base->delta_nll - kSignificantNats &&
-                   best->attention_mean <= base->attention_mean
-               ? best
-               : base;
-  };
-  const EvaluationRow* best_kv = simplest_or_best(true);
-  const EvaluationRow* best_qkv = simplest_or_best(false);
+  const EvaluationRow* best_kv = SimplestOrBest(evaluations, true);
+  const EvaluationRow* best_qkv = SimplestOrBest(evaluations, false);
   bool kv_only;
   std::string quantize_why;
   if (best_kv && best_qkv) {
@@ -660,46 +711,9 @@ Recommendation RecommendFromEvaluations(
                            : "only Q/K/V evaluations were given";
   }
   const EvaluationRow* best = kv_only ? best_kv : best_qkv;
-  std::string granularity_why =
-      best->observer == "static_minmax" && best->granularity == "tensor"
-          ? absl::StrFormat(
-                "no observer or granularity lowers the loss by more than "
-                "%.3f nats/token against static min-max per tensor, the "
-                "simplest (it cannot saturate on its calibration data and "
-                "loads in every vLLM attention backend)",
-                kSignificantNats)
-          : absl::StrFormat(
-                "it lowers the loss by more than %.3f nats/token against "
-                "static min-max per tensor, at no larger attention error",
-                kSignificantNats);
-  if (best->delta_nll_ones > best->delta_nll + kSignificantNats) {
-    absl::StrAppendFormat(&granularity_why,
-                          "; scale 1.0 costs %+.4f nats/token more",
-                          best->delta_nll_ones - best->delta_nll);
-  } else {
-    absl::StrAppendFormat(
-        &granularity_why,
-        "; scale 1.0 is not measurably worse here (%+.4f vs %+.4f "
-        "nats/token, attention error %s vs %s, saturating %s): calibrated "
-        "scales still guard against values beyond 448",
-        best->delta_nll_ones, best->delta_nll,
-        Percent(best->attention_ones_mean), Percent(best->attention_mean),
-        Percent(best->saturated_ones, 4));
-  }
   out.row = best;
-  const double over = ClipOvershoot(*best, kv_only, format);
-  double margin = 1.0;
-  std::string margin_why = absl::StrFormat(
-      "the evaluation's maxima stay within the clip points (at most %.3f "
-      "of them)",
-      over);
-  if (best->saturated > 0 && over > 1.0) {
-    margin = std::ceil(over * 20.0) / 20.0;
-    margin_why = absl::StrFormat(
-        "the evaluation's maxima pass the clip points by up to %.3fx "
-        "(%s of values saturate)",
-        over, Percent(best->saturated, 4));
-  }
+  std::string margin_why;
+  const double margin = MarginFor(*best, kv_only, format, margin_why);
   out.json = {{"observer", best->observer},
               {"label", best->label},
               {"granularity", best->granularity},
@@ -714,7 +728,7 @@ Recommendation RecommendFromEvaluations(
       "against the unquantized model (perplexity %.3f vs %.3f); scale 1.0 "
       "costs %+.4f. Choice: %s. Q: %s. Margin %.2f: %s.",
       best->label, best->granularity, best->delta_nll, best->perplexity,
-      best->reference_perplexity, best->delta_nll_ones, granularity_why,
+      best->reference_perplexity, best->delta_nll_ones, ChoiceReason(*best),
       quantize_why, margin, margin_why);
   return out;
 }
@@ -812,58 +826,99 @@ void RecommendationSection(const Recommendation& recommendation, Page& page) {
   body += "</section>";
 }
 
+// The scales of a scales file as a ScaleResult (for the heatmaps).
+ScaleResult ScaleResultOf(const CalibratedScales& scales) {
+  ScaleResult result;
+  for (const auto& [layer, roles] : scales.layers) {
+    LayerScales ls;
+    ls.layer = layer;
+    for (int r = 0; r < 3; ++r) {
+      if (roles[r].empty()) continue;
+      RoleScales rs;
+      rs.scale = roles[r];
+      ls.roles[r] = rs;
+    }
+    result.layers.push_back(ls);
+  }
+  return result;
+}
+
+// The estimate whose scales the report shows, and its name: the
+// recommended observer per head (its label first: percentile 99.9 and 99.99
+// share an observer name), else the first estimate; null when there is none.
+const Estimate* ShownEstimate(const OrderedJson& rec,
+                              const std::vector<Estimate>& estimates,
+                              std::string& name) {
+  for (bool by_label : {true, false}) {
+    for (const Estimate& e : estimates) {
+      const bool head = e.variant->granularity == Granularity::kPerHead;
+      const std::string observer(ObserverName(e.observer->observer));
+      const bool label_ok =
+          !by_label || (rec.contains("label") &&
+                        rec["label"] == std::string(e.observer->label));
+      if (rec["observer"] == observer && label_ok && head &&
+          !e.variant->q_per_kv_group) {
+        name = absl::StrCat(e.observer->label, " per head");
+        return &e;
+      }
+    }
+  }
+  if (estimates.empty()) return nullptr;
+  const Estimate& first = estimates.front();
+  name = absl::StrCat(first.observer->label, " per ", first.variant->label);
+  return &first;
+}
+
+// Heatmaps of the calibration |x| maxima per layer and head.
+void AbsmaxHeatmaps(const SessionStatistics& statistics, Page& page) {
+  const Geometry& g = statistics.geometry();
+  std::vector<std::vector<double>> amax[3];
+  std::vector<uint32_t> all_layers;
+  for (uint32_t l = 0; l < g.num_layers; ++l) {
+    all_layers.push_back(l);
+    for (int r = 0; r < 3; ++r) {
+      std::vector<double> row;
+      if (g.collects(kRoles[r])) {
+        for (uint32_t h = 0; h < g.heads(kRoles[r]); ++h) {
+          const HeadStatistics& hs = statistics.head(l, kRoles[r], h);
+          row.push_back(hs.finite_count
+                            ? hs.absmax()
+                            : std::numeric_limits<double>::quiet_NaN());
+        }
+      }
+      amax[r].push_back(std::move(row));
+    }
+  }
+  page.body +=
+      "<p>Calibration |x| maxima per layer and head.</p><div "
+      "class=\"row\">";
+  for (int r = 0; r < 3; ++r) {
+    absl::StrAppend(&page.body,
+                    Heatmap(absl::StrCat("heatmap-absmax-", kRoleNames[r]),
+                            absl::StrCat("|", kRoleNames[r], "| max"), amax[r],
+                            all_layers, true, page.figures));
+  }
+  page.body += "</div>";
+}
+
 // Scale heatmaps (the scales file's, else the recommended ones) and the
 // calibration maxima per layer and head.
 void ScalesSection(const ReportInputs& in, const OrderedJson& rec,
                    const std::vector<Estimate>& estimates, Page& page) {
-  std::string& body = page.body;
-  std::vector<std::string>& figures = page.figures;
-  const Geometry* g = in.statistics ? &in.statistics->geometry() : nullptr;
   page.Section("scales", "Scales per layer and head");
   const ScaleResult* shown = nullptr;
   std::string shown_name;
   ScaleResult from_file;
   if (in.scales) {
-    for (const auto& [layer, roles] : in.scales->layers) {
-      LayerScales ls;
-      ls.layer = layer;
-      for (int r = 0; r < 3; ++r) {
-        if (roles[r].empty()) continue;
-        RoleScales rs;
-        rs.scale = roles[r];
-        ls.roles[r] = rs;
-      }
-      from_file.layers.push_back(ls);
-    }
+    from_file = ScaleResultOf(*in.scales);
     shown = &from_file;
     shown_name = absl::StrCat("the scales file (", in.scales->observer, " per ",
                               GranularityName(in.scales->granularity), ")");
-  } else {
-    // The recommended observer per head (its label first: percentile 99.9
-    // and 99.99 share an observer name).
-    for (bool by_label : {true, false}) {
-      for (const Estimate& e : estimates) {
-        if (shown) break;
-        const bool head = e.variant->granularity == Granularity::kPerHead;
-        const std::string observer(ObserverName(e.observer->observer));
-        const bool label_ok =
-            !by_label || (rec.contains("label") &&
-                          rec["label"] == std::string(e.observer->label));
-        if (rec["observer"] == observer && label_ok && head &&
-            !e.variant->q_per_kv_group) {
-          shown = &e.scales;
-          shown_name = absl::StrCat(e.observer->label, " per head");
-        }
-      }
-    }
-    if (!shown && !estimates.empty()) {
-      shown = &estimates.front().scales;
-      shown_name = absl::StrCat(estimates.front().observer->label, " per ",
-                                estimates.front().variant->label);
-    }
+  } else if (const Estimate* e = ShownEstimate(rec, estimates, shown_name)) {
+    shown = &e->scales;
   }
   if (shown) {
-    absl::StrAppend(&body, "<p>Scales of ", Escape(shown_name),
+    absl::StrAppend(&page.body, "<p>Scales of ", Escape(shown_name),
                     "; one row per layer, one column per head (per tensor: "
                     "one column). Hover a cell for its value.</p><div "
                     "class=\"row\">");
@@ -871,43 +926,15 @@ void ScalesSection(const ReportInputs& in, const OrderedJson& rec,
     for (const LayerScales& l : shown->layers) layers.push_back(l.layer);
     for (int r = 0; r < 3; ++r) {
       absl::StrAppend(
-          &body,
+          &page.body,
           Heatmap(absl::StrCat("heatmap-scale-", kRoleNames[r]),
                   absl::StrCat(kRoleNames[r], "_scale"),
-                  ScaleMatrix(*shown, kRoles[r]), layers, true, figures));
+                  ScaleMatrix(*shown, kRoles[r]), layers, true, page.figures));
     }
-    body += "</div>";
-    if (g) {
-      std::vector<std::vector<double>> amax[3];
-      std::vector<uint32_t> all_layers;
-      for (uint32_t l = 0; l < g->num_layers; ++l) {
-        all_layers.push_back(l);
-        for (int r = 0; r < 3; ++r) {
-          std::vector<double> row;
-          if (g->collects(kRoles[r])) {
-            for (uint32_t h = 0; h < g->heads(kRoles[r]); ++h) {
-              const HeadStatistics& hs = in.statistics->head(l, kRoles[r], h);
-              row.push_back(hs.finite_count
-                                ? hs.absmax()
-                                : std::numeric_limits<double>::quiet_NaN());
-            }
-          }
-          amax[r].push_back(std::move(row));
-        }
-      }
-      body +=
-          "<p>Calibration |x| maxima per layer and head.</p><div "
-          "class=\"row\">";
-      for (int r = 0; r < 3; ++r) {
-        absl::StrAppend(
-            &body, Heatmap(absl::StrCat("heatmap-absmax-", kRoleNames[r]),
-                           absl::StrCat("|", kRoleNames[r], "| max"), amax[r],
-                           all_layers, true, figures));
-      }
-      body += "</div>";
-    }
+    page.body += "</div>";
+    if (in.statistics) AbsmaxHeatmaps(*in.statistics, page);
   }
-  body += "</section>";
+  page.body += "</section>";
 }
 
 // |x| histograms per layer with each observer's clip point.
@@ -1049,15 +1076,11 @@ OrderedJson EstimatesSection(const ReportInputs& in,
   return estimates_json;
 }
 
-// Evaluation maxima against calibration maxima (or clip points) for the
-// recommended row, and the table of every evaluation.
-void EvaluationSections(const ReportInputs& in,
-                        const std::vector<EvaluationRow>& evaluations,
-                        const EvaluationRow* chosen_row, Page& page) {
+// Evaluation maxima against calibration maxima (or clip points) for `row`.
+void HeadroomSection(const ReportInputs& in, const EvaluationRow& row,
+                     Page& page) {
   std::string& body = page.body;
-  std::vector<std::string>& figures = page.figures;
   const Geometry* g = in.statistics ? &in.statistics->geometry() : nullptr;
-  const EvaluationRow& row = chosen_row ? *chosen_row : evaluations.front();
   page.Section("headroom", "Headroom: evaluation maxima vs calibration");
   std::vector<uint32_t> layers;
   for (size_t l = 0; l < row.absmax[1].size(); ++l) {
@@ -1099,10 +1122,15 @@ void EvaluationSections(const ReportInputs& in,
         &body,
         Heatmap(absl::StrCat("heatmap-headroom-", kRoleNames[r]),
                 absl::StrCat(kRoleNames[r], ": evaluation / calibration max"),
-                ratio[r], layers, false, figures));
+                ratio[r], layers, false, page.figures));
   }
   body += "</div></section>";
+}
 
+// The table of every evaluation, `chosen_row` marked.
+void EvaluationTableSection(const std::vector<EvaluationRow>& evaluations,
+                            const EvaluationRow* chosen_row, Page& page) {
+  std::string& body = page.body;
   page.Section("evaluation", "Evaluation (kvcal.torch.evaluate)");
   absl::StrAppendFormat(
       &body,
@@ -1132,6 +1160,15 @@ void EvaluationSections(const ReportInputs& in,
         Percent(r.attention_ones_mean), Percent(r.saturated_ones, 4));
   }
   body += "</table></section>";
+}
+
+// Evaluation maxima against calibration maxima (or clip points) for the
+// recommended row, and the table of every evaluation.
+void EvaluationSections(const ReportInputs& in,
+                        const std::vector<EvaluationRow>& evaluations,
+                        const EvaluationRow* chosen_row, Page& page) {
+  HeadroomSection(in, chosen_row ? *chosen_row : evaluations.front(), page);
+  EvaluationTableSection(evaluations, chosen_row, page);
 }
 
 // The whole HTML document around `body`.

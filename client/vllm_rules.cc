@@ -244,6 +244,59 @@ void CheckModelOpt(const Json& qc, MethodFacts& facts, VllmPrediction& p) {
   }
 }
 
+// The output_tensors entry that the layer_quant_config entries matched by
+// export.kv_cache_group (`group`, not empty) share, as vLLM 0.34 reads it;
+// null, with a refusal in `p`, where vLLM would fail.
+const Json* QuarkKvCacheOutputTensors(const Json& qc, const Json& group,
+                                      VllmPrediction& p) {
+  const Json* layers = Member(qc, "layer_quant_config");
+  if (layers == nullptr || !layers->is_object()) {
+    p.refusals.push_back(
+        absl::StrCat("Quark export.kv_cache_group is set but there is no "
+                     "layer_quant_config (",
+                     kQuarkConfig, ")"));
+    return nullptr;
+  }
+  std::vector<const Json*> matched;
+  for (const auto& [name, entry] : layers->items()) {
+    for (const Json& pattern : group) {
+      if (pattern.is_string() &&
+          ::fnmatch(pattern.get<std::string>().c_str(), name.c_str(), 0) == 0) {
+        matched.push_back(&entry);
+        break;
+      }
+    }
+  }
+  if (matched.empty()) {
+    p.refusals.push_back(absl::StrCat(
+        "Quark export.kv_cache_group ", group.dump(),
+        " matches no layer_quant_config entry: \"no kv_cache quantization "
+        "settings were found\" (",
+        kQuarkConfig, ")"));
+    return nullptr;
+  }
+  const Json* first = Member(*matched[0], "output_tensors");
+  for (const Json* entry : matched) {
+    const Json* out = Member(*entry, "output_tensors");
+    if ((out == nullptr) != (first == nullptr) ||
+        (out != nullptr && *out != *first)) {
+      p.refusals.push_back(absl::StrCat(
+          "Quark layer_quant_config entries of the kv_cache_group differ in "
+          "output_tensors (",
+          kQuarkConfig, ")"));
+      return nullptr;
+    }
+  }
+  if (first == nullptr || first->is_null()) {
+    p.refusals.push_back(absl::StrCat(
+        "Quark kv_cache_group entries have no output_tensors: \"The kv_cache "
+        "quantization configuration is empty\" (",
+        kQuarkConfig, ")"));
+    return nullptr;
+  }
+  return first;
+}
+
 void CheckQuark(const Json& qc, MethodFacts& facts, VllmPrediction& p) {
   facts.base_method = true;
   facts.kv_method = true;  // get_quant_method_target: every Attention layer
@@ -271,51 +324,8 @@ void CheckQuark(const Json& qc, MethodFacts& facts, VllmPrediction& p) {
         "vLLM 0.34 (it reads export.kv_cache_group)");
   }
   if (group->empty()) return;
-  const Json* layers = Member(qc, "layer_quant_config");
-  if (layers == nullptr || !layers->is_object()) {
-    p.refusals.push_back(
-        absl::StrCat("Quark export.kv_cache_group is set but there is no "
-                     "layer_quant_config (",
-                     kQuarkConfig, ")"));
-    return;
-  }
-  std::vector<const Json*> matched;
-  for (const auto& [name, entry] : layers->items()) {
-    for (const Json& pattern : *group) {
-      if (pattern.is_string() &&
-          ::fnmatch(pattern.get<std::string>().c_str(), name.c_str(), 0) == 0) {
-        matched.push_back(&entry);
-        break;
-      }
-    }
-  }
-  if (matched.empty()) {
-    p.refusals.push_back(absl::StrCat(
-        "Quark export.kv_cache_group ", group->dump(),
-        " matches no layer_quant_config entry: \"no kv_cache quantization "
-        "settings were found\" (",
-        kQuarkConfig, ")"));
-    return;
-  }
-  const Json* first = Member(*matched[0], "output_tensors");
-  for (const Json* entry : matched) {
-    const Json* out = Member(*entry, "output_tensors");
-    if ((out == nullptr) != (first == nullptr) ||
-        (out != nullptr && *out != *first)) {
-      p.refusals.push_back(absl::StrCat(
-          "Quark layer_quant_config entries of the kv_cache_group differ in "
-          "output_tensors (",
-          kQuarkConfig, ")"));
-      return;
-    }
-  }
-  if (first == nullptr || first->is_null()) {
-    p.refusals.push_back(absl::StrCat(
-        "Quark kv_cache_group entries have no output_tensors: \"The kv_cache "
-        "quantization configuration is empty\" (",
-        kQuarkConfig, ")"));
-    return;
-  }
+  const Json* first = QuarkKvCacheOutputTensors(qc, *group, p);
+  if (first == nullptr) return;
   if (StringMember(*first, "dtype") != "fp8_e4m3") {
     p.refusals.push_back(absl::StrCat(
         "Quark KV-cache output_tensors dtype '", StringMember(*first, "dtype"),
@@ -467,6 +477,8 @@ std::string VllmMappedScaleName(absl::string_view method,
   return key;
 }
 
+namespace {
+
 // Which attention backends can run the scales (v1/attention/backend.py
 // validate_configuration: per-head scales need
 // supports_per_head_quant_scales, which only FlashAttention 3+ has).
@@ -598,12 +610,12 @@ void PredictCompressedTensorsLayer(const std::string& where,
 }
 
 // ModelOpt / Quark: BaseKVCacheMethod (kBaseProcess).
-void PredictBaseKvCacheLayer(uint32_t layer, const std::string& where,
-                             const std::array<const Loaded*, 3>& in, bool rocm,
-                             Warned& warned, VllmPrediction& p,
-                             std::array<VllmRoleOutcome, 3>& out) {
-  std::array<float, 3> raw = {-1.0f, -1.0f, -1.0f};  // the -1 sentinel
-  bool refused = false;
+// The scalar each loaded scale holds (-1, vLLM's sentinel, where none was
+// loaded); false, with a refusal, where one holds more than one value.
+bool ScalarScales(const std::array<const Loaded*, 3>& in, VllmPrediction& p,
+                  std::array<float, 3>& raw) {
+  raw = {-1.0f, -1.0f, -1.0f};
+  bool scalar = true;
   for (int r = 0; r < 3; ++r) {
     if (in[r] == nullptr) continue;
     if (in[r]->values.size() != 1) {
@@ -611,16 +623,21 @@ void PredictBaseKvCacheLayer(uint32_t layer, const std::string& where,
           absl::StrCat(in[r]->names.back(), " has ", in[r]->values.size(),
                        " values: \"KV-cache scale expects a scalar weight\" (",
                        kBaseLoader, ")"));
-      refused = true;
+      scalar = false;
       continue;
     }
     raw[r] = in[r]->values[0];
   }
-  if (refused) {
-    for (int r = 0; r < 3; ++r) out[r].fate = "refused";
-    return;
-  }
-  const float factor = rocm ? 2.0f : 1.0f;
+  return scalar;
+}
+
+// The k and v scales vLLM's process_weights_after_loading makes of the
+// loaded ones (`raw`, times `factor` on ROCm), with their fates in `out`;
+// false, with a refusal, where vLLM stops at start.
+bool ResolveKvScales(const std::string& where,
+                     const std::array<const Loaded*, 3>& in,
+                     const std::array<float, 3>& raw, float factor,
+                     VllmPrediction& p, std::array<VllmRoleOutcome, 3>& out) {
   float k = raw[1], v = raw[2];
   if (k > 0 && v > 0) {
     out[1].fate = out[2].fate = "used";
@@ -639,8 +656,7 @@ void PredictBaseKvCacheLayer(uint32_t layer, const std::string& where,
         where, "k_scale ", in[1] == nullptr ? "missing" : absl::StrCat(k),
         " with v_scale ", in[2] == nullptr ? "missing" : absl::StrCat(v),
         ": vLLM stops at start with an AssertionError (", kBaseProcess, ")"));
-    for (int r = 0; r < 3; ++r) out[r].fate = "refused";
-    return;
+    return false;
   } else {
     out[1].fate = "used";
     out[2].fate = "missing: v := k";
@@ -649,6 +665,22 @@ void PredictBaseKvCacheLayer(uint32_t layer, const std::string& where,
         ": vLLM silently uses max(k_scale, v_scale) = k_scale for both (",
         kBaseProcess, ")"));
     k = v = PyMax(k, v) * factor;
+  }
+  out[1].effective = {k};
+  out[2].effective = {v};
+  return true;
+}
+
+void PredictBaseKvCacheLayer(uint32_t layer, const std::string& where,
+                             const std::array<const Loaded*, 3>& in, bool rocm,
+                             Warned& warned, VllmPrediction& p,
+                             std::array<VllmRoleOutcome, 3>& out) {
+  std::array<float, 3> raw;
+  const float factor = rocm ? 2.0f : 1.0f;
+  if (!ScalarScales(in, p, raw) ||
+      !ResolveKvScales(where, in, raw, factor, p, out)) {
+    for (int r = 0; r < 3; ++r) out[r].fate = "refused";
+    return;
   }
   float q = raw[0];
   if (q > 0) {
@@ -671,8 +703,6 @@ void PredictBaseKvCacheLayer(uint32_t layer, const std::string& where,
     }
   }
   out[0].effective = {q};
-  out[1].effective = {k};
-  out[2].effective = {v};
   if (layer == 0 && p.kv_cache_dtype == "fp8") {
     p.notes.push_back(absl::StrCat(
         "vLLM logs \"Using uncalibrated q_scale ... and/or prob_scale 1.0 "
@@ -690,6 +720,43 @@ void PredictBaseKvCacheLayer(uint32_t layer, const std::string& where,
         kBaseProcess, ")"));
   }
 }
+
+// A layer whose KV cache is not fp8: vLLM ignores every scale (said once,
+// where the checkpoint has any).
+void PredictUnusedCacheLayer(bool any_loaded, const VllmLoadOptions& options,
+                             Warned& warned, VllmPrediction& p,
+                             std::array<VllmRoleOutcome, 3>& out) {
+  for (int r = 0; r < 3; ++r) {
+    out[r].fate = absl::StrCat("unused: cache ", p.kv_cache_dtype);
+  }
+  if (warned.unused || !any_loaded) return;
+  warned.unused = true;
+  p.silent.push_back(absl::StrCat(
+      "the KV cache is not fp8 (--kv-cache-dtype ", options.kv_cache_dtype,
+      " resolves to '", p.kv_cache_dtype, "' for a ", p.method,
+      " checkpoint): vLLM ignores every scale; run it with "
+      "--kv-cache-dtype fp8 (",
+      kAttentionInit, ", ", kDtypeResolver, ")"));
+}
+
+// A layer without a KV-cache quantization method: scale 1.0 for all three
+// (said once).
+void PredictNoMethodLayer(Warned& warned, VllmPrediction& p,
+                          std::array<VllmRoleOutcome, 3>& out) {
+  for (int r = 0; r < 3; ++r) {
+    out[r].fate = "missing: 1.0";
+    out[r].effective = {1.0f};
+  }
+  if (warned.no_method) return;
+  warned.no_method = true;
+  p.silent.push_back(absl::StrCat(
+      "no KV-cache quantization method for the attention layers: vLLM "
+      "runs the fp8 cache with scale 1.0 everywhere "
+      "(model_executor/layers/attention/attention.py "
+      "set_default_quant_scales)"));
+}
+
+}  // namespace
 
 VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
                                const std::vector<VllmScaleTensor>& tensors,
@@ -738,41 +805,14 @@ VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
     }
     const std::string where = absl::StrCat("layer ", layer, " ");
     if (!fp8_cache) {
-      for (int r = 0; r < 3; ++r) {
-        out[r].fate = absl::StrCat("unused: cache ", p.kv_cache_dtype);
-      }
-      if (!warned.unused && !loaded.empty()) {
-        warned.unused = true;
-        p.silent.push_back(
-            absl::StrCat("the KV cache is not fp8 (--kv-cache-dtype ",
-                         options.kv_cache_dtype, " resolves to '",
-                         p.kv_cache_dtype, "' for a ", p.method,
-                         " checkpoint): vLLM ignores every scale; run it with "
-                         "--kv-cache-dtype fp8 (",
-                         kAttentionInit, ", ", kDtypeResolver, ")"));
-      }
-      continue;
-    }
-    if (!facts.kv_method) {
-      for (int r = 0; r < 3; ++r) {
-        out[r].fate = "missing: 1.0";
-        out[r].effective = {1.0f};
-      }
-      if (!warned.no_method) {
-        warned.no_method = true;
-        p.silent.push_back(absl::StrCat(
-            "no KV-cache quantization method for the attention layers: vLLM "
-            "runs the fp8 cache with scale 1.0 everywhere "
-            "(model_executor/layers/attention/attention.py "
-            "set_default_quant_scales)"));
-      }
-      continue;
-    }
-    if (!facts.base_method) {
+      PredictUnusedCacheLayer(!loaded.empty(), options, warned, p, out);
+    } else if (!facts.kv_method) {
+      PredictNoMethodLayer(warned, p, out);
+    } else if (!facts.base_method) {
       PredictCompressedTensorsLayer(where, in, g, rocm, warned, p, out);
-      continue;
+    } else {
+      PredictBaseKvCacheLayer(layer, where, in, rocm, warned, p, out);
     }
-    PredictBaseKvCacheLayer(layer, where, in, rocm, warned, p, out);
   }
   return p;
 }

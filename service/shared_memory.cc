@@ -14,6 +14,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "util/status_macros.h"
 
 namespace kvcal::service {
 
@@ -182,8 +183,8 @@ SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryOptions options)
 
 SharedMemoryRegistry::~SharedMemoryRegistry() = default;
 
-absl::StatusOr<SharedMemoryRegionInfo> SharedMemoryRegistry::Register(
-    absl::string_view tenant, const SharedMemoryRegistration& request) {
+absl::Status SharedMemoryRegistry::CheckRegistration(
+    const SharedMemoryRegistration& request) const {
   if (!options_.enabled) {
     return absl::FailedPreconditionError(
         absl::StrCat("shared memory is disabled on this worker "
@@ -202,73 +203,84 @@ absl::StatusOr<SharedMemoryRegionInfo> SharedMemoryRegistry::Register(
         "the producer's host id (boot id ", request.host_id.substr(0, 64),
         ") is not the worker's: ", kNotOnProducerHost));
   }
-  if (request.kind == SharedMemoryKind::kCudaIpc) {
-    if (request.device > 1024) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "CUDA device ", request.device, " is not a device ordinal"));
-    }
-    if (absl::Status s = ValidateCudaIpcRequest(
-            request.cuda_ipc_handle, static_cast<int>(request.device),
-            request.byte_size);
-        !s.ok()) {
-      return s;
-    }
-    if (!options_.open_cuda_ipc) {
-      return absl::FailedPreconditionError(
-          "CUDA IPC shared memory needs the CUDA backend, and this worker's "
-          "sessions use the CPU backend (--backend cpu, no CUDA device, or "
-          "a build without CUDA); register a SYSTEM region or send the "
-          "chunks in-band");
-    }
+  if (request.kind != SharedMemoryKind::kCudaIpc) return absl::OkStatus();
+  if (request.device > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CUDA device ", request.device, " is not a device ordinal"));
   }
-  // Limits before the (slow, fallible) open; checked again when adding.
-  auto check_limits = [&]() -> absl::Status {
-    uint64_t count = 0, bytes = 0;
-    for (const auto& [id, region] : regions_) {
-      if (region->tenant != tenant) continue;
-      ++count;
-      bytes += region->info.byte_size;
-    }
-    if (options_.max_regions_per_tenant != 0 &&
-        count + 1 > options_.max_regions_per_tenant) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "tenant '", tenant, "' already has ", count,
-          " shared memory regions, the most this worker allows (",
-          options_.max_regions_per_tenant, "); unregister one first"));
-    }
-    if (options_.max_bytes_per_tenant != 0 &&
-        (request.byte_size > options_.max_bytes_per_tenant ||
-         bytes > options_.max_bytes_per_tenant - request.byte_size)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "shared memory region of ", request.byte_size, " bytes: tenant '",
-          tenant, "' has ", bytes, " bytes registered and may have at most ",
-          options_.max_bytes_per_tenant));
-    }
-    return absl::OkStatus();
-  };
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status s = check_limits(); !s.ok()) return s;
+  KVCAL_RETURN_IF_ERROR(ValidateCudaIpcRequest(request.cuda_ipc_handle,
+                                               static_cast<int>(request.device),
+                                               request.byte_size));
+  if (!options_.open_cuda_ipc) {
+    return absl::FailedPreconditionError(
+        "CUDA IPC shared memory needs the CUDA backend, and this worker's "
+        "sessions use the CPU backend (--backend cpu, no CUDA device, or "
+        "a build without CUDA); register a SYSTEM region or send the "
+        "chunks in-band");
   }
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegistry::CheckTenantLimitsLocked(
+    absl::string_view tenant, uint64_t byte_size) const {
+  uint64_t count = 0, bytes = 0;
+  for (const auto& [id, region] : regions_) {
+    if (region->tenant != tenant) continue;
+    ++count;
+    bytes += region->info.byte_size;
+  }
+  if (options_.max_regions_per_tenant != 0 &&
+      count + 1 > options_.max_regions_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant '", tenant, "' already has ", count,
+        " shared memory regions, the most this worker allows (",
+        options_.max_regions_per_tenant, "); unregister one first"));
+  }
+  if (options_.max_bytes_per_tenant != 0 &&
+      (byte_size > options_.max_bytes_per_tenant ||
+       bytes > options_.max_bytes_per_tenant - byte_size)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shared memory region of ", byte_size, " bytes: tenant '", tenant,
+        "' has ", bytes, " bytes registered and may have at most ",
+        options_.max_bytes_per_tenant));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<SharedMemoryRegistry::Region>>
+SharedMemoryRegistry::OpenRegion(
+    absl::string_view tenant, const SharedMemoryRegistration& request) const {
   auto region = std::make_shared<Region>();
   region->tenant = std::string(tenant);
   region->info.kind = request.kind;
   region->info.byte_size = request.byte_size;
   if (request.kind == SharedMemoryKind::kCudaIpc) {
-    auto memory = options_.open_cuda_ipc(request.cuda_ipc_handle,
-                                         static_cast<int>(request.device),
-                                         request.byte_size);
-    if (!memory.ok()) return memory.status();
+    KVCAL_ASSIGN_OR_RETURN(
+        region->device_memory,
+        options_.open_cuda_ipc(request.cuda_ipc_handle,
+                               static_cast<int>(request.device),
+                               request.byte_size));
     region->info.device = request.device;
-    region->device_memory = *std::move(memory);
   } else {
-    auto mapping = SystemMapping::Open(request.name, request.byte_size);
-    if (!mapping.ok()) return mapping.status();
+    KVCAL_ASSIGN_OR_RETURN(
+        region->mapping, SystemMapping::Open(request.name, request.byte_size));
     region->info.name = request.name;
-    region->mapping = *std::move(mapping);
   }
+  return region;
+}
+
+absl::StatusOr<SharedMemoryRegionInfo> SharedMemoryRegistry::Register(
+    absl::string_view tenant, const SharedMemoryRegistration& request) {
+  KVCAL_RETURN_IF_ERROR(CheckRegistration(request));
+  // Limits before the (slow, fallible) open; checked again when adding.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    KVCAL_RETURN_IF_ERROR(CheckTenantLimitsLocked(tenant, request.byte_size));
+  }
+  KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<Region> region,
+                         OpenRegion(tenant, request));
   std::lock_guard<std::mutex> lock(mu_);
-  if (absl::Status s = check_limits(); !s.ok()) return s;
+  KVCAL_RETURN_IF_ERROR(CheckTenantLimitsLocked(tenant, request.byte_size));
   region->info.id = next_id_++;
   regions_[region->info.id] = region;
   return region->info;

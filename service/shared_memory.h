@@ -164,6 +164,16 @@ class SharedMemoryRegistry {
 
  private:
   using Region = SharedMemoryLease::Region;
+  // What Register checks before it opens anything: the worker allows the
+  // kind, the producer is on this host, the CUDA IPC request is well formed.
+  absl::Status CheckRegistration(const SharedMemoryRegistration& request) const;
+  // The tenant's region count and bytes leave room for `byte_size` more.
+  absl::Status CheckTenantLimitsLocked(absl::string_view tenant,
+                                       uint64_t byte_size) const;
+  // Maps (SYSTEM) or opens (CUDA IPC) the region; no id yet.
+  absl::StatusOr<std::shared_ptr<Region>> OpenRegion(
+      absl::string_view tenant, const SharedMemoryRegistration& request) const;
+
   const SharedMemoryOptions options_;
   std::mutex mu_;
   uint64_t next_id_ = 1;                                 // guarded by mu_

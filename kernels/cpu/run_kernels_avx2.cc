@@ -262,103 +262,148 @@ __attribute__((noinline)) void RedoBlockCarefully(const unsigned char* p,
   if (single) add(Load8<kDType>(p), s.even);
 }
 
-// flatten: the per-vector lambdas below must be inlined into the loops.
+// The vector constants of the fast path (for `log2_bins` bins per octave).
+struct FastConstants {
+  explicit FastConstants(uint32_t log2_bins)
+      : bins(internal::BinConstantsFor(log2_bins)),
+        abs_mask(_mm256_set1_epi32(0x7fffffff)),
+        overflow_bin(_mm256_set1_epi32(bins.overflow)),
+        bin_offset(_mm256_set1_epi32(bins.offset)),
+        lane_index(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+        mantissa_shift(_mm_cvtsi32_si128(bins.shift)) {}
+  internal::BinConstants bins;
+  __m256i abs_mask;
+  __m256i overflow_bin;
+  __m256i bin_offset;
+  __m256i lane_index;
+  __m128i mantissa_shift;
+};
+
+// Counts the 8 lanes of `abs_bits` (|x| as bits; non-finite ones into the
+// overflow bin) in the lane-private counters `sub`.
+__attribute__((always_inline)) inline void CountLanes(__m256i abs_bits,
+                                                      uint32_t* sub,
+                                                      const FastConstants& c) {
+  const __m256i bin =
+      Bins8(abs_bits, c.mantissa_shift, c.bin_offset, c.overflow_bin);
+  // Lane indices leave the vector through 64-bit extracts: a 32-byte
+  // store read back as 4-byte loads defeats store-to-load forwarding.
+  const __m256i slot = _mm256_or_si256(_mm256_slli_epi32(bin, 3), c.lane_index);
+  const __m128i slot_lo = _mm256_castsi256_si128(slot);
+  const __m128i slot_hi = _mm256_extracti128_si256(slot, 1);
+  // (Named scalars, not an array: an array went through the stack.)
+  const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_lo));
+  const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(slot_lo, 1));
+  const auto p2 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_hi));
+  const auto p3 = static_cast<uint64_t>(_mm_extract_epi64(slot_hi, 1));
+  ++sub[static_cast<uint32_t>(p0)];
+  ++sub[p0 >> 32];
+  ++sub[static_cast<uint32_t>(p1)];
+  ++sub[p1 >> 32];
+  ++sub[static_cast<uint32_t>(p2)];
+  ++sub[p2 >> 32];
+  ++sub[static_cast<uint32_t>(p3)];
+  ++sub[p3 >> 32];
+}
+
+// Offers the finite lanes of |x| above `threshold` to the tail, and moves
+// `threshold` to the tail's new one.
+__attribute__((always_inline)) inline void OfferToTail(__m256 abs_x,
+                                                       TailKeeper* tail,
+                                                       __m256& threshold) {
+  // Ordered compare: NaN lanes are false; Inf lanes are dropped below.
+  const int enter =
+      _mm256_movemask_ps(_mm256_cmp_ps(abs_x, threshold, _CMP_GT_OQ));
+  if (enter == 0) [[likely]] {
+    return;
+  }
+  alignas(32) float values[8];
+  _mm256_store_ps(values, abs_x);
+  for (int lane = 0; lane < 8; ++lane) {
+    const float a = values[lane];
+    if (((enter >> lane) & 1) && a <= std::numeric_limits<float>::max() &&
+        a > tail->threshold()) {
+      tail->Offer(a);
+    }
+  }
+  threshold = _mm256_set1_ps(tail->threshold());
+}
+
+// The fast path: adds the 8 values x to l, counts every lane (non-finite
+// ones into the overflow bin) and offers finite |x| above the threshold to
+// the tail.
+template <bool kHistogram, bool kTail>
+__attribute__((always_inline)) inline void AddFast(__m256 x, Lanes& l,
+                                                   uint32_t* sub,
+                                                   TailKeeper* tail,
+                                                   __m256& threshold,
+                                                   const FastConstants& c) {
+  l.vmin = _mm256_min_ps(l.vmin, x);
+  l.vmax = _mm256_max_ps(l.vmax, x);
+  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+  const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+  l.sum0 = _mm256_add_pd(l.sum0, lo);
+  l.sum1 = _mm256_add_pd(l.sum1, hi);
+  l.sq0 = _mm256_fmadd_pd(lo, lo, l.sq0);
+  l.sq1 = _mm256_fmadd_pd(hi, hi, l.sq1);
+  if constexpr (kHistogram || kTail) {
+    const __m256i abs_bits =
+        _mm256_and_si256(_mm256_castps_si256(x), c.abs_mask);
+    if constexpr (kHistogram) CountLanes(abs_bits, sub, c);
+    if constexpr (kTail) {
+      OfferToTail(_mm256_castsi256_ps(abs_bits), tail, threshold);
+    }
+  }
+}
+
+// Adds a head's sub-histograms (`sub`) to its histogram, up to the bin of
+// its largest finite |x| so far.
+void FlushHead(HeadState& s, uint32_t* sub, uint32_t log2_bins,
+               RunAccumulator& acc) {
+  if (s.since_flush == 0) return;
+  const float absmax =
+      std::max(-HorizontalMin(_mm256_min_ps(s.even.vmin, s.odd.vmin)),
+               HorizontalMax(_mm256_max_ps(s.even.vmax, s.odd.vmax)));
+  // No finite value yet: every counter was taken back.
+  if (absmax >= 0.0f) {
+    FlushSubHistograms(sub, HistogramBin(absmax, log2_bins), acc.histogram);
+  }
+  s.since_flush = 0;
+}
+
+// Adds a head's lanes to its accumulator.
+void FinishHead(const HeadState& s, RunAccumulator& acc) {
+  // min and max see -0.0 as +0.0 (element_math.h CanonicalZero).
+  const float mn =
+      CanonicalZero(HorizontalMin(_mm256_min_ps(s.even.vmin, s.odd.vmin)));
+  const float mx =
+      CanonicalZero(HorizontalMax(_mm256_max_ps(s.even.vmax, s.odd.vmax)));
+  acc.min = std::min(acc.min, mn);
+  acc.max = std::max(acc.max, mx);
+  acc.finite += s.vector_values - s.nonfinite;
+  acc.nan += s.nan;
+  acc.inf += s.nonfinite - s.nan;
+  acc.sum += HorizontalSum(_mm256_add_pd(s.even.sum0, s.odd.sum0),
+                           _mm256_add_pd(s.even.sum1, s.odd.sum1));
+  acc.sum_squares += HorizontalSum(_mm256_add_pd(s.even.sq0, s.odd.sq0),
+                                   _mm256_add_pd(s.even.sq1, s.odd.sq1));
+}
+
+// flatten: the per-vector functions above must be inlined into the loops.
 template <DType kDType, bool kHistogram, bool kTail>
 __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
                                             size_t rows, size_t stride_bytes,
                                             size_t heads, size_t length,
                                             RunAccumulator* accs) {
   constexpr size_t kSize = kDType == DType::kF32 ? 4 : 2;
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   const uint32_t log2_bins = accs[0].log2_bins_per_octave;
-  const uint32_t bin_count = HistogramBinCount(log2_bins);
-  const internal::BinConstants bin_constants =
-      internal::BinConstantsFor(log2_bins);
-  const __m256i overflow_bin = _mm256_set1_epi32(bin_constants.overflow);
-  const __m256i bin_offset = _mm256_set1_epi32(bin_constants.offset);
-  const __m128i mantissa_shift = _mm_cvtsi32_si128(bin_constants.shift);
-  const __m256i lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const size_t head_counters = static_cast<size_t>(bin_count) * 8;
+  const FastConstants c(log2_bins);
+  const size_t head_counters =
+      static_cast<size_t>(HistogramBinCount(log2_bins)) * 8;
   uint32_t* const subs =
       kHistogram ? SubHistograms(heads * head_counters) : nullptr;
   HeadState* const states = HeadStates(heads);
 
-  auto flush = [&](size_t h) {
-    if constexpr (kHistogram) {
-      HeadState& s = states[h];
-      if (s.since_flush == 0) return;
-      const float absmax =
-          std::max(-HorizontalMin(_mm256_min_ps(s.even.vmin, s.odd.vmin)),
-                   HorizontalMax(_mm256_max_ps(s.even.vmax, s.odd.vmax)));
-      // No finite value yet: every counter was taken back.
-      if (absmax >= 0.0f) {
-        FlushSubHistograms(subs + h * head_counters,
-                           HistogramBin(absmax, log2_bins), accs[h].histogram);
-      }
-      s.since_flush = 0;
-    }
-  };
-
-  // The fast path: adds the 8 values x to l, counts every lane (non-finite
-  // ones into the overflow bin) and offers finite |x| above the threshold
-  // to the tail.
-  auto add_fast = [&](__m256 x, Lanes& l, uint32_t* sub, TailKeeper* tail,
-                      __m256& threshold) {
-    l.vmin = _mm256_min_ps(l.vmin, x);
-    l.vmax = _mm256_max_ps(l.vmax, x);
-    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-    l.sum0 = _mm256_add_pd(l.sum0, lo);
-    l.sum1 = _mm256_add_pd(l.sum1, hi);
-    l.sq0 = _mm256_fmadd_pd(lo, lo, l.sq0);
-    l.sq1 = _mm256_fmadd_pd(hi, hi, l.sq1);
-    if constexpr (kHistogram || kTail) {
-      const __m256i abs_bits =
-          _mm256_and_si256(_mm256_castps_si256(x), abs_mask);
-      if constexpr (kHistogram) {
-        const __m256i bin =
-            Bins8(abs_bits, mantissa_shift, bin_offset, overflow_bin);
-        // Lane indices leave the vector through 64-bit extracts: a 32-byte
-        // store read back as 4-byte loads defeats store-to-load forwarding.
-        const __m256i slot =
-            _mm256_or_si256(_mm256_slli_epi32(bin, 3), lane_index);
-        const __m128i slot_lo = _mm256_castsi256_si128(slot);
-        const __m128i slot_hi = _mm256_extracti128_si256(slot, 1);
-        // (Named scalars, not an array: an array went through the stack.)
-        const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_lo));
-        const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(slot_lo, 1));
-        const auto p2 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_hi));
-        const auto p3 = static_cast<uint64_t>(_mm_extract_epi64(slot_hi, 1));
-        ++sub[static_cast<uint32_t>(p0)];
-        ++sub[p0 >> 32];
-        ++sub[static_cast<uint32_t>(p1)];
-        ++sub[p1 >> 32];
-        ++sub[static_cast<uint32_t>(p2)];
-        ++sub[p2 >> 32];
-        ++sub[static_cast<uint32_t>(p3)];
-        ++sub[p3 >> 32];
-      }
-      if constexpr (kTail) {
-        const __m256 abs_x = _mm256_castsi256_ps(abs_bits);
-        // Ordered compare: NaN lanes are false; Inf lanes are dropped below.
-        const int enter =
-            _mm256_movemask_ps(_mm256_cmp_ps(abs_x, threshold, _CMP_GT_OQ));
-        if (enter != 0) [[unlikely]] {
-          alignas(32) float values[8];
-          _mm256_store_ps(values, abs_x);
-          for (int lane = 0; lane < 8; ++lane) {
-            const float a = values[lane];
-            if (((enter >> lane) & 1) &&
-                a <= std::numeric_limits<float>::max() &&
-                a > tail->threshold()) {
-              tail->Offer(a);
-            }
-          }
-          threshold = _mm256_set1_ps(tail->threshold());
-        }
-      }
-    }
-  };
   // One block of head h: `pairs` pairs of vectors at p, then one more
   // vector when `single`.
   auto block = [&](const unsigned char* p, size_t pairs, bool single,
@@ -368,7 +413,9 @@ __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
     TailKeeper* const tail = accs[h].tail;
     const uint64_t vectors = 2 * pairs + (single ? 1 : 0);
     if constexpr (kHistogram) {
-      if (s.since_flush + vectors > kFlushEveryVectors) flush(h);
+      if (s.since_flush + vectors > kFlushEveryVectors) {
+        FlushHead(s, sub, log2_bins, accs[h]);
+      }
       s.since_flush += vectors;
     }
     __m256 threshold = _mm256_set1_ps(kTail ? tail->threshold() : 0.0f);
@@ -379,15 +426,19 @@ __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
                    _MM_HINT_T0);
       __m256 a, b;
       Load16<kDType>(q, a, b);
-      add_fast(a, even, sub, tail, threshold);
+      AddFast<kHistogram, kTail>(a, even, sub, tail, threshold, c);
       // With histograms the counting, not the latency of the sums, bounds
       // the loop: one set of accumulators leaves registers to the rest.
-      add_fast(b, kHistogram ? even : odd, sub, tail, threshold);
+      AddFast<kHistogram, kTail>(b, kHistogram ? even : odd, sub, tail,
+                                 threshold, c);
     }
-    if (single) add_fast(Load8<kDType>(q), even, sub, tail, threshold);
+    if (single) {
+      AddFast<kHistogram, kTail>(Load8<kDType>(q), even, sub, tail, threshold,
+                                 c);
+    }
     if (SumsNonFinite(even, odd)) [[unlikely]] {
       RedoBlockCarefully<kDType, kHistogram>(p, pairs, single, s, sub,
-                                             bin_constants.overflow);
+                                             c.bins.overflow);
     } else {
       s.even = even;
       s.odd = odd;
@@ -417,23 +468,10 @@ __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
   }
 
   for (size_t h = 0; h < heads; ++h) {
-    flush(h);
-    const HeadState& s = states[h];
-    RunAccumulator& acc = accs[h];
-    // min and max see -0.0 as +0.0 (element_math.h CanonicalZero).
-    const float mn =
-        CanonicalZero(HorizontalMin(_mm256_min_ps(s.even.vmin, s.odd.vmin)));
-    const float mx =
-        CanonicalZero(HorizontalMax(_mm256_max_ps(s.even.vmax, s.odd.vmax)));
-    acc.min = std::min(acc.min, mn);
-    acc.max = std::max(acc.max, mx);
-    acc.finite += s.vector_values - s.nonfinite;
-    acc.nan += s.nan;
-    acc.inf += s.nonfinite - s.nan;
-    acc.sum += HorizontalSum(_mm256_add_pd(s.even.sum0, s.odd.sum0),
-                             _mm256_add_pd(s.even.sum1, s.odd.sum1));
-    acc.sum_squares += HorizontalSum(_mm256_add_pd(s.even.sq0, s.odd.sq0),
-                                     _mm256_add_pd(s.even.sq1, s.odd.sq1));
+    if constexpr (kHistogram) {
+      FlushHead(states[h], subs + h * head_counters, log2_bins, accs[h]);
+    }
+    FinishHead(states[h], accs[h]);
   }
 }
 
