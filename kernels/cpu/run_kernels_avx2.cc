@@ -112,6 +112,17 @@ struct Lanes {
   __m256d sum0, sum1, sq0, sq1;
 };
 
+// Adds the 8 values x, widened to double, to the sums and sums of squares
+// of l.
+__attribute__((always_inline)) inline void AddSums(__m256 x, Lanes& l) {
+  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+  const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+  l.sum0 = _mm256_add_pd(l.sum0, lo);
+  l.sum1 = _mm256_add_pd(l.sum1, hi);
+  l.sq0 = _mm256_fmadd_pd(lo, lo, l.sq0);
+  l.sq1 = _mm256_fmadd_pd(hi, hi, l.sq1);
+}
+
 Lanes EmptyLanes() {
   return Lanes{_mm256_set1_ps(std::numeric_limits<float>::infinity()),
                _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
@@ -244,13 +255,7 @@ __attribute__((noinline)) void RedoBlockCarefully(const unsigned char* p,
     }
     l.vmin = _mm256_min_ps(l.vmin, _mm256_blendv_ps(x, pos_inf, bad_ps));
     l.vmax = _mm256_max_ps(l.vmax, _mm256_blendv_ps(x, neg_inf, bad_ps));
-    const __m256 xf = _mm256_blendv_ps(x, zero, bad_ps);
-    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(xf));
-    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(xf, 1));
-    l.sum0 = _mm256_add_pd(l.sum0, lo);
-    l.sum1 = _mm256_add_pd(l.sum1, hi);
-    l.sq0 = _mm256_fmadd_pd(lo, lo, l.sq0);
-    l.sq1 = _mm256_fmadd_pd(hi, hi, l.sq1);
+    AddSums(_mm256_blendv_ps(x, zero, bad_ps), l);
   };
   for (size_t k = 0; k < pairs; ++k, p += 16 * kSize) {
     __m256 a, b;
@@ -279,31 +284,37 @@ struct FastConstants {
   __m128i mantissa_shift;
 };
 
+// Adds kDelta to the 8 counters whose indices are the lanes of `slot`.
+// The indices leave the vector through 64-bit extracts: a 32-byte store read
+// back as 4-byte loads defeats store-to-load forwarding. (Named scalars, not
+// an array: an array went through the stack.)
+template <int kDelta>
+__attribute__((always_inline)) inline void AddToSlots(__m256i slot,
+                                                      uint32_t* sub) {
+  const __m128i slot_lo = _mm256_castsi256_si128(slot);
+  const __m128i slot_hi = _mm256_extracti128_si256(slot, 1);
+  const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_lo));
+  const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(slot_lo, 1));
+  const auto p2 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_hi));
+  const auto p3 = static_cast<uint64_t>(_mm_extract_epi64(slot_hi, 1));
+  sub[static_cast<uint32_t>(p0)] += kDelta;
+  sub[p0 >> 32] += kDelta;
+  sub[static_cast<uint32_t>(p1)] += kDelta;
+  sub[p1 >> 32] += kDelta;
+  sub[static_cast<uint32_t>(p2)] += kDelta;
+  sub[p2 >> 32] += kDelta;
+  sub[static_cast<uint32_t>(p3)] += kDelta;
+  sub[p3 >> 32] += kDelta;
+}
+
 // Counts the 8 lanes of `abs_bits` (|x| as bits; non-finite ones into the
-// overflow bin) in the lane-private counters `sub`.
+// overflow bin) in the lane-private counters `sub` (bin * 8 + lane).
 __attribute__((always_inline)) inline void CountLanes(__m256i abs_bits,
                                                       uint32_t* sub,
                                                       const FastConstants& c) {
   const __m256i bin =
       Bins8(abs_bits, c.mantissa_shift, c.bin_offset, c.overflow_bin);
-  // Lane indices leave the vector through 64-bit extracts: a 32-byte
-  // store read back as 4-byte loads defeats store-to-load forwarding.
-  const __m256i slot = _mm256_or_si256(_mm256_slli_epi32(bin, 3), c.lane_index);
-  const __m128i slot_lo = _mm256_castsi256_si128(slot);
-  const __m128i slot_hi = _mm256_extracti128_si256(slot, 1);
-  // (Named scalars, not an array: an array went through the stack.)
-  const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_lo));
-  const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(slot_lo, 1));
-  const auto p2 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_hi));
-  const auto p3 = static_cast<uint64_t>(_mm_extract_epi64(slot_hi, 1));
-  ++sub[static_cast<uint32_t>(p0)];
-  ++sub[p0 >> 32];
-  ++sub[static_cast<uint32_t>(p1)];
-  ++sub[p1 >> 32];
-  ++sub[static_cast<uint32_t>(p2)];
-  ++sub[p2 >> 32];
-  ++sub[static_cast<uint32_t>(p3)];
-  ++sub[p3 >> 32];
+  AddToSlots<1>(_mm256_or_si256(_mm256_slli_epi32(bin, 3), c.lane_index), sub);
 }
 
 // Offers the finite lanes of |x| above `threshold` to the tail, and moves
@@ -340,12 +351,7 @@ __attribute__((always_inline)) inline void AddFast(__m256 x, Lanes& l,
                                                    const FastConstants& c) {
   l.vmin = _mm256_min_ps(l.vmin, x);
   l.vmax = _mm256_max_ps(l.vmax, x);
-  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-  const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-  l.sum0 = _mm256_add_pd(l.sum0, lo);
-  l.sum1 = _mm256_add_pd(l.sum1, hi);
-  l.sq0 = _mm256_fmadd_pd(lo, lo, l.sq0);
-  l.sq1 = _mm256_fmadd_pd(hi, hi, l.sq1);
+  AddSums(x, l);
   if constexpr (kHistogram || kTail) {
     const __m256i abs_bits =
         _mm256_and_si256(_mm256_castps_si256(x), c.abs_mask);
@@ -662,20 +668,7 @@ struct V {
       const __m256i slot = _mm256_or_si256(
           _mm256_slli_epi32(Bins8(abs_bits, b.shift, b.offset, b.overflow), 3),
           b.lane);
-      const __m128i lo = _mm256_castsi256_si128(slot);
-      const __m128i hi = _mm256_extracti128_si256(slot, 1);
-      const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(lo));
-      const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(lo, 1));
-      const auto p2 = static_cast<uint64_t>(_mm_cvtsi128_si64(hi));
-      const auto p3 = static_cast<uint64_t>(_mm_extract_epi64(hi, 1));
-      sub[static_cast<uint32_t>(p0)] += kDelta;
-      sub[p0 >> 32] += kDelta;
-      sub[static_cast<uint32_t>(p1)] += kDelta;
-      sub[p1 >> 32] += kDelta;
-      sub[static_cast<uint32_t>(p2)] += kDelta;
-      sub[p2 >> 32] += kDelta;
-      sub[static_cast<uint32_t>(p3)] += kDelta;
-      sub[p3 >> 32] += kDelta;
+      AddToSlots<kDelta>(slot, sub);
     }
   }
 };
