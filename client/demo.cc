@@ -164,16 +164,17 @@ absl::StatusOr<InspectReport> PatchAndInspect(const std::string& model_dir,
 // The closing lines: the time taken, how the worker stopped, where the
 // results are.
 void PrintDemoEnd(std::ostream& out, absl::Duration took,
-                  const absl::Status& stopped, const std::string& dir) {
+                  const absl::Status& stopped, const std::string& dir,
+                  const std::string& model_dir, const std::string& dump_dir) {
   out << absl::StrFormat(
       "done in %.1fs; worker stopped (%s).\n"
-      "  checkpoint: %s/model\n"
+      "  checkpoint: %s\n"
       "  scales:     %s/scales-{static_minmax,mse}.safetensors\n"
-      "  dumps:      %s/dumps\n"
-      "  try:        kvcal inspect %s/model\n",
+      "  dumps:      %s\n"
+      "  try:        kvcal inspect %s\n",
       absl::ToDoubleSeconds(took),
-      stopped.ok() ? "SIGTERM, exit 0" : std::string(stopped.message()), dir,
-      dir, dir, dir);
+      stopped.ok() ? "SIGTERM, exit 0" : std::string(stopped.message()),
+      model_dir, dir, dump_dir, model_dir);
 }
 
 }  // namespace
@@ -247,7 +248,9 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
   // 6. Stop the worker.
   client.reset();
   const absl::Status stopped = worker->Stop();
-  if (text) PrintDemoEnd(out, absl::Now() - start, stopped, dir);
+  if (text) {
+    PrintDemoEnd(out, absl::Now() - start, stopped, dir, model_dir, dump_dir);
+  }
   KVCAL_RETURN_IF_ERROR(stopped);
   if (!inspect.ok()) {
     return absl::InternalError("the patched checkpoint failed inspection");
