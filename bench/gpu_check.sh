@@ -14,6 +14,20 @@
 # The benchmark's throughput goals are reported, not enforced (timings are
 # never assertions). Time limits: 150 s per test run, 120 s for the
 # benchmark, so the whole check ends within 8 minutes.
+#
+# Environment:
+#   GPU_CHECK_LOG_DIR=DIR     keep every test's and the benchmark's full log
+#                             in DIR (default: a temporary directory, removed)
+#   GPU_CHECK_SANITIZE=1      afterwards, run the CUDA backend tests under
+#                             compute-sanitizer memcheck and racecheck
+#                             (GPU_CHECK_SANITIZE_FILTER, default all;
+#                             GPU_CHECK_SANITIZE_TIMEOUT seconds each,
+#                             default 150); a reported error or a time-out
+#                             fails the check
+#
+# cuDNN and NVRTC do not travel in the bundle (bench/make_gpu_bundle.sh): when
+# the loader does not know them, the check looks for them in the CUDA
+# toolkit and in Python's nvidia-* wheels on this machine.
 set -uo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,9 +37,32 @@ if [[ ! -d "${bundle}/bin" ]]; then
   echo "gpu_check: FAILED: no bundle at ${bundle} (build one with bench/make_gpu_bundle.sh)" >&2
   exit 2
 fi
-export LD_LIBRARY_PATH="${bundle}/lib${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
-log_dir="$(mktemp -d)"
-trap 'rm -rf "${log_dir}"' EXIT
+# library_dir NAME: prints the directory of NAME when the loader would not
+# find it by itself; nothing when it would, or when it is nowhere here.
+library_dir() {
+  local name="$1" found
+  ldconfig -p 2>/dev/null | grep -q "^[[:space:]]*${name} " && return 0
+  found=$(find /usr/local/cuda*/ /usr/lib /opt -name "${name}" \
+            \( -type f -o -type l \) -print -quit 2>/dev/null)
+  [[ -n "${found}" ]] && dirname "${found}"
+}
+extra_dirs=""
+for name in libcudnn.so.9 libnvrtc.so.13; do
+  dir="$(library_dir "${name}")"
+  if [[ -n "${dir}" ]]; then
+    echo "gpu_check: ${name} from ${dir}"
+    extra_dirs="${extra_dirs}:${dir}"
+  fi
+done
+base_library_path="${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="${bundle}/lib${extra_dirs}${base_library_path:+:${base_library_path}}"
+if [[ -n "${GPU_CHECK_LOG_DIR:-}" ]]; then
+  log_dir="${GPU_CHECK_LOG_DIR}"
+  mkdir -p "${log_dir}"
+else
+  log_dir="$(mktemp -d)"
+  trap 'rm -rf "${log_dir}"' EXIT
+fi
 
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
@@ -88,6 +125,13 @@ done
 if [[ ! -x "${bundle}/bin/kvcal_backend_cuda_test" ]]; then
   failures+=("no kvcal_backend_cuda_test in ${bundle}/bin")
 fi
+# The worker side: a real kvcal-worker --backend cuda fed through CUDA IPC.
+if [[ -x "${bundle}/service/bin/kvcal_shared_memory_cuda_test" ]]; then
+  LD_LIBRARY_PATH="${bundle}/service/lib${base_library_path:+:${base_library_path}}" \
+  KVCAL_WORKER_PATH="${bundle}/service/bin/kvcal-worker" \
+    run_tests kvcal_shared_memory_cuda_test \
+      "${bundle}/service/bin/kvcal_shared_memory_cuda_test"
+fi
 
 echo "=== kvcal_bench_gpu"
 timeout 120 "${bundle}/bin/kvcal_bench_gpu" "$@" 2>&1 | tee "${log_dir}/bench.log"
@@ -103,6 +147,50 @@ case ${rc} in
   124) failures+=("kvcal_bench_gpu: timed out after 120 s") ;;
   *) failures+=("kvcal_bench_gpu: exit ${rc}") ;;
 esac
+
+sanitize_timeout="${GPU_CHECK_SANITIZE_TIMEOUT:-150}"
+# sanitize TOOL: the CUDA backend tests under compute-sanitizer TOOL.
+sanitize() {
+  local tool="$1" sanitizer log="${log_dir}/sanitizer-$1.log"
+  local filter="${GPU_CHECK_SANITIZE_FILTER:-*}"
+  # gtest filters: POSITIVE[-NEGATIVE], one '-' at most.
+  if [[ "${filter}" == *-* ]]; then
+    filter="${filter}:${two_gpu_test}"
+  else
+    filter="${filter}-${two_gpu_test}"
+  fi
+  sanitizer="$(command -v compute-sanitizer)"
+  if [[ -z "${sanitizer}" ]]; then
+    for candidate in /usr/local/cuda*/bin/compute-sanitizer \
+                     /usr/local/cuda*/compute-sanitizer/compute-sanitizer; do
+      if [[ -x "${candidate}" ]]; then
+        sanitizer="${candidate}"
+        break
+      fi
+    done
+  fi
+  echo "=== compute-sanitizer --tool ${tool}"
+  if [[ -z "${sanitizer}" ]]; then
+    failures+=("compute-sanitizer not found")
+    return
+  fi
+  timeout "${sanitize_timeout}" "${sanitizer}" --tool "${tool}" --error-exitcode 99 \
+    "${bundle}/bin/kvcal_backend_cuda_test" --gtest_brief=1 \
+    --gtest_filter="${filter}" \
+    >"${log}" 2>&1
+  local rc=$?
+  grep -v '^Running main\|Skipped$' "${log}" | tail -n 15
+  case ${rc} in
+    0) ;;
+    99) failures+=("compute-sanitizer ${tool}: errors reported (see its log)") ;;
+    124) failures+=("compute-sanitizer ${tool}: timed out after ${sanitize_timeout} s") ;;
+    *) failures+=("compute-sanitizer ${tool}: exit ${rc}") ;;
+  esac
+}
+if [[ "${GPU_CHECK_SANITIZE:-0}" == 1 ]]; then
+  sanitize memcheck
+  sanitize racecheck
+fi
 
 echo "=== summary"
 grep -h "HBM ratio\|H2D ratio\|HBM peak" "${log_dir}/bench.log" 2>/dev/null

@@ -11,15 +11,30 @@
 # Ubuntu 22.04 and later, Debian 12) and the driver (libcuda, never bundled).
 # The script checks both and fails when a binary would need more.
 #
-# Layout: BUNDLE_DIR/bin/* (stripped of debug info), BUNDLE_DIR/lib/ (empty
-# unless a dependency had no static archive).
+# The bundle also holds kvcal-worker and the CUDA IPC shared-memory test that
+# drives it (tests/service/shared_memory_cuda_test.cc), built apart (in
+# BUILD_DIR-service) and linked the ordinary way: gRPC, protobuf, OpenSSL,
+# Abseil and libstdc++ travel as Debian's shared libraries, which need glibc
+# <= 2.36 (Debian 12, Ubuntu 24.04).
+#
+# cuDNN (500+ MB) and NVRTC (100+ MB) do not travel: the FP8 attention test
+# loads them from the GPU machine, where the CUDA toolkit or PyTorch's
+# nvidia-cudnn-cu13 / nvidia-cuda-nvrtc wheels provide them (gpu_check.sh
+# finds them). KVCAL_BUNDLE_CUDNN=1 bundles them anyway.
+#
+# Layout: BUNDLE_DIR/bin/* (stripped of debug info) and BUNDLE_DIR/lib/ (the
+# dynamic libraries other than glibc, the driver, cuDNN and NVRTC);
+# BUNDLE_DIR/service/{bin,lib}: the worker side, apart so that its Debian
+# libstdc++ never reaches the CUDA tests or the GPU machine's cuDNN.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bundle="${1:-${root}/.gpu-bundle}"
 build="${KVCAL_BUNDLE_BUILD_DIR:-${root}/build-gpu-bundle}"
 jobs="${KVCAL_BUNDLE_JOBS:-${KVCAL_JOBS:-$(nproc)}}"
-max_glibc="2.35"
+max_glibc="2.35"          # CUDA tests and benchmark: Ubuntu 22.04 and later
+max_glibc_service="2.36"  # kvcal-worker and its gRPC libraries: Debian 12's
+bundle_cudnn="${KVCAL_BUNDLE_CUDNN:-0}"
 
 cmake -S "${root}" -B "${build}" -G Ninja -DKVCAL_CUDA=ON \
   -DCMAKE_BUILD_TYPE=Release -DKVCAL_STATIC_RUNTIME=ON >/dev/null
@@ -35,22 +50,50 @@ if ninja -C "${build}" -t targets all | grep -q '^kvcal_fp8_attention_cuda_test:
 fi
 ninja -C "${build}" -j "${jobs}" "${targets[@]}"
 
+# The worker with --backend cuda and the CUDA IPC test that starts it, from a
+# build linked the ordinary way (shared gRPC, protobuf, Abseil, libstdc++):
+# Debian has no static gRPC, and one static and one shared Abseil in the same
+# process would be two copies of its globals.
+service_build="${build}-service"
+cmake -S "${root}" -B "${service_build}" -G Ninja -DKVCAL_CUDA=ON \
+  -DCMAKE_BUILD_TYPE=Release -DKVCAL_STATIC_RUNTIME=OFF >/dev/null
+ninja -C "${service_build}" -j "${jobs}" kvcal-worker kvcal_shared_memory_cuda_test
+service_binaries=("${service_build}/service/kvcal-worker"
+                  "${service_build}/tests/service/kvcal_shared_memory_cuda_test")
+
 rm -rf "${bundle}"
-mkdir -p "${bundle}/bin" "${bundle}/lib"
+mkdir -p "${bundle}/bin" "${bundle}/lib" "${bundle}/service/bin" "${bundle}/service/lib"
 # Keep the bundle out of git without touching the repository's .gitignore.
 printf '*\n' >"${bundle}/.gitignore"
 
 # The C runtime, the dynamic loader and the driver come from the GPU machine;
 # anything else still linked dynamically is bundled (and checked below).
 system_lib='^(linux-vdso|ld-linux|libc\.so|libm\.so|libpthread\.so|libdl\.so|librt\.so|libresolv\.so|libutil\.so|libcuda\.so|libnvidia)'
-for binary in "${binaries[@]}"; do
-  cp "${binary}" "${bundle}/bin/"
-  strip --strip-debug "${bundle}/bin/$(basename "${binary}")"
+if [[ "${bundle_cudnn}" != 1 ]]; then
+  system_lib="${system_lib%)}|libcudnn|libnvrtc)"
+fi
+# The CUDA tests and the benchmark link the C++ runtime statically; a shared
+# libstdc++ or libgcc_s in their ldd comes from the machine's own cuDNN and
+# NVRTC, which bring their own.
+static_runtime_lib="${system_lib%)}|libstdc\+\+\.so|libgcc_s\.so)"
+
+# copy_binary BINARY DIR SKIP: BINARY into DIR/bin, the libraries it needs
+# into DIR/lib, except those whose names match the regular expression SKIP.
+copy_binary() {
+  local binary="$1" dir="$2" skip="$3"
+  cp "${binary}" "${dir}/bin/"
+  strip --strip-debug "${dir}/bin/$(basename "${binary}")"
   ldd "${binary}" | awk '/=> \// {print $1, $3}' | while read -r name path; do
-    if [[ ! "${name}" =~ ${system_lib} ]]; then
-      cp -L -n "${path}" "${bundle}/lib/${name}"
+    if [[ ! "${name}" =~ ${skip} ]]; then
+      cp -L -n "${path}" "${dir}/lib/${name}"
     fi
   done
+}
+for binary in "${binaries[@]}"; do
+  copy_binary "${binary}" "${bundle}" "${static_runtime_lib}"
+done
+for binary in "${service_binaries[@]}"; do
+  copy_binary "${binary}" "${bundle}/service" "${system_lib}"
 done
 # cuDNN loads its engine libraries (libcudnn_graph, libcudnn_engines_*, ...)
 # with dlopen: ldd does not list them; bundle all of cuDNN next to libcudnn.
@@ -62,31 +105,47 @@ if [[ -e "${bundle}/lib/libcudnn.so.9" ]]; then
   cp -L -n "${cudnn_dir}"/libnvrtc-builtins.so.* "${bundle}/lib/" 2>/dev/null || true
 fi
 
-# Every binary and library must load with glibc <= max_glibc, and nothing may
-# be missing.
+# Every CUDA test and the benchmark must load with glibc <= max_glibc, the
+# worker side with glibc <= max_glibc_service; nothing may be missing but
+# cuDNN and NVRTC, which the GPU machine provides.
 status=0
 newest="2.0"
-for file in "${bundle}"/bin/* "${bundle}"/lib/*; do
-  [[ -f "${file}" ]] || continue
-  need=$(objdump -T "${file}" | grep -o 'GLIBC_2\.[0-9]*' | sed 's/GLIBC_//' |
+# glibc_needed FILE: the newest GLIBC_2.N symbol version FILE needs.
+glibc_needed() {
+  local need
+  need=$(objdump -T "$1" | grep -o 'GLIBC_2\.[0-9]*' | sed 's/GLIBC_//' |
          sort -t. -k2 -n -u | tail -n 1)
-  need="${need:-2.0}"
-  if [[ "$(printf '%s\n%s\n' "${need}" "${newest}" | sort -V | tail -n 1)" == "${need}" ]]; then
-    newest="${need}"
-  fi
-  if [[ "$(printf '%s\n%s\n' "${need}" "${max_glibc}" | sort -V | tail -n 1)" != "${max_glibc}" ]]; then
-    echo "make_gpu_bundle: $(basename "${file}") needs glibc ${need} (> ${max_glibc})" >&2
-    status=1
-  fi
+  echo "${need:-2.0}"
+}
+version_le() { [[ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | tail -n 1)" == "$2" ]]; }
+for binary in "${bundle}"/bin/* "${bundle}"/service/bin/*; do
+  dir="$(dirname "$(dirname "${binary}")")"
+  limit="${max_glibc}"
+  [[ "${dir}" == "${bundle}/service" ]] && limit="${max_glibc_service}"
+  # The binary and every bundled library it loads.
+  files=("${binary}")
+  while read -r path; do
+    [[ "${path}" == "${dir}/lib/"* ]] && files+=("${path}")
+  done < <(LD_LIBRARY_PATH="${dir}/lib" ldd "${binary}" | awk '/=> \// {print $3}')
+  for file in "${files[@]}"; do
+    need=$(glibc_needed "${file}")
+    version_le "${need}" "${newest}" || newest="${need}"
+    if ! version_le "${need}" "${limit}"; then
+      echo "make_gpu_bundle: $(basename "${file}") (loaded by $(basename "${binary}")) needs glibc ${need} (> ${limit})" >&2
+      status=1
+    fi
+  done
 done
-for binary in "${bundle}"/bin/*; do
-  if LD_LIBRARY_PATH="${bundle}/lib" ldd "${binary}" | grep -q 'not found'; then
+for binary in "${bundle}"/bin/* "${bundle}"/service/bin/*; do
+  dir="$(dirname "$(dirname "${binary}")")"
+  if LD_LIBRARY_PATH="${dir}/lib" ldd "${binary}" |
+     grep 'not found' | grep -qv 'libcudnn\|libnvrtc'; then
     echo "make_gpu_bundle: $(basename "${binary}") has unresolved libraries:" >&2
-    LD_LIBRARY_PATH="${bundle}/lib" ldd "${binary}" | grep 'not found' >&2
+    LD_LIBRARY_PATH="${dir}/lib" ldd "${binary}" | grep 'not found' >&2
     status=1
   fi
 done
 
-echo "bundle ${bundle}: $(ls "${bundle}/bin" | tr '\n' ' ')"
-echo "  $(ls "${bundle}/lib" | wc -l) bundled libraries, $(du -sh "${bundle}" | cut -f1), needs glibc >= ${newest}"
+echo "bundle ${bundle}: $(ls "${bundle}/bin" "${bundle}/service/bin" | grep -v '^/\|^$' | tr '\n' ' ')"
+echo "  $(ls "${bundle}/lib" "${bundle}/service/lib" | grep -c '\.so') bundled libraries, $(du -sh "${bundle}" | cut -f1), needs glibc >= ${newest}"
 exit ${status}

@@ -136,13 +136,11 @@ absl::StatusOr<std::shared_ptr<fe::graph::Graph>> BuildGraph(
   return graph;
 }
 
-}  // namespace
-
-bool HaveCudnnFp8Attention() { return true; }
-
-absl::StatusOr<std::vector<float>> CudnnFp8AttentionOutput(
-    int device, const AttentionInputs& in, const HeadScales& scales) {
-  // The CPU emulation's checks on shapes and scales.
+// The shapes cuDNN's FP8 SDPA takes, beyond the CPU emulation's checks: the
+// inputs as long as their shape says, head_dim a multiple of 16 up to 256,
+// and one Q scale per KV group (the graph has one Q descale).
+absl::Status CheckCudnnInputs(const AttentionInputs& in,
+                              const HeadScales& scales) {
   KVCAL_RETURN_IF_ERROR(ValidateFp8Attention(in, scales));
   const uint32_t heads = in.num_attention_heads, kv = in.num_key_value_heads,
                  dim = in.head_dim, tokens = in.tokens;
@@ -168,6 +166,120 @@ absl::StatusOr<std::vector<float>> CudnnFp8AttentionOutput(
       }
     }
   }
+  return absl::OkStatus();
+}
+
+uint8_t QuantizeE4m3(float x, float scale) {
+  const float t = std::min(std::max(x / scale, -kFp8E4m3fnMax), kFp8E4m3fnMax);
+  return Fp8E4m3fnFromFloat(t);
+}
+
+// One KV group's inputs in the graph's layout, quantized to e4m3 on the host:
+// Q [group heads][tokens][dim], K and V [tokens][dim].
+struct GroupInputs {
+  std::vector<uint8_t> q, k, v;
+  float v_max = 0.0f;  // max |V̂| (the dequantized e4m3 values)
+};
+
+GroupInputs QuantizeGroup(const AttentionInputs& in, const HeadScales& scales,
+                          uint32_t g) {
+  const uint32_t heads = in.num_attention_heads, kv = in.num_key_value_heads,
+                 dim = in.head_dim, tokens = in.tokens;
+  const uint32_t group = heads / kv;
+  const float qs = scales.q[g * group], ks = scales.k[g], vs = scales.v[g];
+  GroupInputs out;
+  out.q.resize(size_t{group} * tokens * dim);
+  out.k.resize(size_t{tokens} * dim);
+  out.v.resize(size_t{tokens} * dim);
+  for (uint32_t t = 0; t < tokens; ++t) {
+    for (uint32_t i = 0; i < dim; ++i) {
+      const size_t src = (size_t{t} * kv + g) * dim + i;
+      const size_t dst = size_t{t} * dim + i;
+      out.k[dst] = QuantizeE4m3(in.k[src], ks);
+      out.v[dst] = QuantizeE4m3(in.v[src], vs);
+      out.v_max = std::max(out.v_max, std::fabs(Fp8E4m3fnToFloat(out.v[dst])));
+    }
+    for (uint32_t h = 0; h < group; ++h) {
+      for (uint32_t i = 0; i < dim; ++i) {
+        out.q[(size_t{h} * tokens + t) * dim + i] = QuantizeE4m3(
+            in.q[(size_t{t} * heads + g * group + h) * dim + i], qs);
+      }
+    }
+  }
+  return out;
+}
+
+// The graph's device tensors, sized for one KV group, and its handle.
+struct GraphBuffers {
+  cuda::DeviceBuffer<uint8_t> q, k, v, o;
+  cuda::DeviceBuffer<float> scalars;  // the eight scalar tensors
+  cuda::DeviceBuffer<uint8_t> workspace;
+};
+
+absl::StatusOr<GraphBuffers> AllocateGraphBuffers(size_t q_elems,
+                                                  size_t kv_elems,
+                                                  int64_t workspace_bytes) {
+  GraphBuffers b;
+  KVCAL_ASSIGN_OR_RETURN(b.q, cuda::DeviceBuffer<uint8_t>::Allocate(q_elems));
+  KVCAL_ASSIGN_OR_RETURN(b.k, cuda::DeviceBuffer<uint8_t>::Allocate(kv_elems));
+  KVCAL_ASSIGN_OR_RETURN(b.v, cuda::DeviceBuffer<uint8_t>::Allocate(kv_elems));
+  KVCAL_ASSIGN_OR_RETURN(b.o, cuda::DeviceBuffer<uint8_t>::Allocate(q_elems));
+  KVCAL_ASSIGN_OR_RETURN(b.scalars, cuda::DeviceBuffer<float>::Allocate(8));
+  KVCAL_ASSIGN_OR_RETURN(
+      b.workspace, cuda::DeviceBuffer<uint8_t>::Allocate(static_cast<size_t>(
+                       std::max<int64_t>(workspace_bytes, 1))));
+  return b;
+}
+
+// Runs the graph on one group's quantized inputs; returns O in e4m3
+// ([group heads][tokens][dim]) and its scale o_bound / 448 through
+// `o_descale`.
+absl::StatusOr<std::vector<uint8_t>> RunGroup(
+    fe::graph::Graph& graph, cudnnHandle_t handle, GraphBuffers& b,
+    const GroupInputs& group, float qs, float ks, float vs, float* o_descale) {
+  // O = P·V̂ · vs: |O| <= max|V̂| · vs. Its FP8 scale maps that to 448.
+  const float o_bound = std::max(group.v_max * vs, 1e-30f);
+  const float scalars[8] = {qs,
+                            ks,
+                            vs,
+                            1.0f / kFp8E4m3fnMax,
+                            kFp8E4m3fnMax,
+                            kFp8E4m3fnMax / o_bound,
+                            0.0f,
+                            0.0f};
+  KVCAL_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+      b.q.get(), group.q.data(), group.q.size(), cudaMemcpyHostToDevice));
+  KVCAL_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+      b.k.get(), group.k.data(), group.k.size(), cudaMemcpyHostToDevice));
+  KVCAL_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+      b.v.get(), group.v.data(), group.v.size(), cudaMemcpyHostToDevice));
+  KVCAL_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+      b.scalars.get(), scalars, sizeof(scalars), cudaMemcpyHostToDevice));
+  float* s = b.scalars.get();
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, b.q.get()},    {kK, b.k.get()},    {kV, b.v.get()},
+      {kO, b.o.get()},    {kDescaleQ, s + 0}, {kDescaleK, s + 1},
+      {kDescaleV, s + 2}, {kDescaleS, s + 3}, {kScaleS, s + 4},
+      {kScaleO, s + 5},   {kAmaxS, s + 6},    {kAmaxO, s + 7}};
+  KVCAL_FE_RETURN_IF_ERROR(graph.execute(handle, pack, b.workspace.get()),
+                           "execute");
+  std::vector<uint8_t> o(group.q.size());
+  KVCAL_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(o.data(), b.o.get(), o.size(), cudaMemcpyDeviceToHost));
+  *o_descale = o_bound / kFp8E4m3fnMax;
+  return o;
+}
+
+}  // namespace
+
+bool HaveCudnnFp8Attention() { return true; }
+
+absl::StatusOr<std::vector<float>> CudnnFp8AttentionOutput(
+    int device, const AttentionInputs& in, const HeadScales& scales) {
+  KVCAL_RETURN_IF_ERROR(CheckCudnnInputs(in, scales));
+  const uint32_t heads = in.num_attention_heads, kv = in.num_key_value_heads,
+                 dim = in.head_dim, tokens = in.tokens;
+  const uint32_t group = heads / kv;
   std::vector<float> out(size_t{tokens} * heads * dim);
   if (tokens == 0) return out;
 
@@ -181,82 +293,23 @@ absl::StatusOr<std::vector<float>> CudnnFp8AttentionOutput(
   int64_t workspace_bytes = 0;
   KVCAL_FE_RETURN_IF_ERROR(graph->get_workspace_size(workspace_bytes),
                            "get_workspace_size");
-
-  const size_t q_elems = size_t{group} * tokens * dim;
-  const size_t kv_elems = size_t{tokens} * dim;
-  KVCAL_ASSIGN_OR_RETURN(auto d_q,
-                         cuda::DeviceBuffer<uint8_t>::Allocate(q_elems));
-  KVCAL_ASSIGN_OR_RETURN(auto d_k,
-                         cuda::DeviceBuffer<uint8_t>::Allocate(kv_elems));
-  KVCAL_ASSIGN_OR_RETURN(auto d_v,
-                         cuda::DeviceBuffer<uint8_t>::Allocate(kv_elems));
-  KVCAL_ASSIGN_OR_RETURN(auto d_o,
-                         cuda::DeviceBuffer<uint8_t>::Allocate(q_elems));
-  KVCAL_ASSIGN_OR_RETURN(auto d_scalars,
-                         cuda::DeviceBuffer<float>::Allocate(8));
   KVCAL_ASSIGN_OR_RETURN(
-      auto d_workspace,
-      cuda::DeviceBuffer<uint8_t>::Allocate(
-          static_cast<size_t>(std::max<int64_t>(workspace_bytes, 1))));
+      GraphBuffers buffers,
+      AllocateGraphBuffers(size_t{group} * tokens * dim, size_t{tokens} * dim,
+                           workspace_bytes));
 
-  std::vector<uint8_t> h_q(q_elems), h_k(kv_elems), h_v(kv_elems), h_o(q_elems);
-  auto quantize = [](float x, float scale) {
-    float t = x / scale;
-    t = std::min(std::max(t, -kFp8E4m3fnMax), kFp8E4m3fnMax);
-    return Fp8E4m3fnFromFloat(t);
-  };
   for (uint32_t g = 0; g < kv; ++g) {
-    const float qs = scales.q[g * group], ks = scales.k[g], vs = scales.v[g];
-    float v_max = 0.0f;
-    for (uint32_t t = 0; t < tokens; ++t) {
-      for (uint32_t i = 0; i < dim; ++i) {
-        const size_t src = (size_t{t} * kv + g) * dim + i;
-        h_k[size_t{t} * dim + i] = quantize(in.k[src], ks);
-        h_v[size_t{t} * dim + i] = quantize(in.v[src], vs);
-        v_max = std::max(v_max,
-                         std::fabs(Fp8E4m3fnToFloat(h_v[size_t{t} * dim + i])));
-      }
-      for (uint32_t h = 0; h < group; ++h) {
-        for (uint32_t i = 0; i < dim; ++i) {
-          h_q[(size_t{h} * tokens + t) * dim + i] =
-              quantize(in.q[(size_t{t} * heads + g * group + h) * dim + i], qs);
-        }
-      }
-    }
-    // O = P·V̂ · vs: |O| <= max|V̂| · vs. Its FP8 scale maps that to 448.
-    const float o_bound = std::max(v_max * vs, 1e-30f);
-    const float scalars[8] = {qs,
-                              ks,
-                              vs,
-                              1.0f / kFp8E4m3fnMax,
-                              kFp8E4m3fnMax,
-                              kFp8E4m3fnMax / o_bound,
-                              0.0f,
-                              0.0f};
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(d_q.get(), h_q.data(), q_elems, cudaMemcpyHostToDevice));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(d_k.get(), h_k.data(), kv_elems, cudaMemcpyHostToDevice));
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(d_v.get(), h_v.data(), kv_elems, cudaMemcpyHostToDevice));
-    KVCAL_CUDA_RETURN_IF_ERROR(cudaMemcpy(
-        d_scalars.get(), scalars, sizeof(scalars), cudaMemcpyHostToDevice));
-    float* s = d_scalars.get();
-    std::unordered_map<int64_t, void*> pack = {
-        {kQ, d_q.get()},    {kK, d_k.get()},    {kV, d_v.get()},
-        {kO, d_o.get()},    {kDescaleQ, s + 0}, {kDescaleK, s + 1},
-        {kDescaleV, s + 2}, {kDescaleS, s + 3}, {kScaleS, s + 4},
-        {kScaleO, s + 5},   {kAmaxS, s + 6},    {kAmaxO, s + 7}};
-    KVCAL_FE_RETURN_IF_ERROR(
-        graph->execute(handle.get(), pack, d_workspace.get()), "execute");
-    KVCAL_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(h_o.data(), d_o.get(), q_elems, cudaMemcpyDeviceToHost));
-    const float o_descale = o_bound / kFp8E4m3fnMax;
+    const GroupInputs inputs = QuantizeGroup(in, scales, g);
+    float o_descale = 0.0f;
+    KVCAL_ASSIGN_OR_RETURN(
+        const std::vector<uint8_t> o,
+        RunGroup(*graph, handle.get(), buffers, inputs, scales.q[g * group],
+                 scales.k[g], scales.v[g], &o_descale));
     for (uint32_t h = 0; h < group; ++h) {
       for (uint32_t t = 0; t < tokens; ++t) {
         for (uint32_t i = 0; i < dim; ++i) {
           out[(size_t{t} * heads + g * group + h) * dim + i] =
-              Fp8E4m3fnToFloat(h_o[(size_t{h} * tokens + t) * dim + i]) *
+              Fp8E4m3fnToFloat(o[(size_t{h} * tokens + t) * dim + i]) *
               o_descale;
         }
       }

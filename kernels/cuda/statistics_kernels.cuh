@@ -211,6 +211,152 @@ __device__ __forceinline__ void CompactWarpTail(float* buf, uint32_t count,
   WarpSortDescending(buf, n, lane);
 }
 
+// What one thread saw of its head, in registers: the operand of the block
+// reduction once the walk is done.
+struct ThreadStatistics {
+  float min_value;
+  float max_value;
+  uint32_t finite;
+  uint32_t nan;
+  uint32_t inf;
+  double sum;
+  double sum_squares;
+
+  __device__ __forceinline__ static ThreadStatistics Empty() {
+    return ThreadStatistics{BitsToFloat(0x7f800000u),  // +Inf
+                            BitsToFloat(0xff800000u),  // -Inf
+                            0u,
+                            0u,
+                            0u,
+                            0.0,
+                            0.0};
+  }
+  // Counts x; false when it is not finite (then it is only counted).
+  __device__ __forceinline__ bool Add(float x) {
+    if (CountIfNonFinite(x, nan, inf)) return false;
+    ++finite;
+    min_value = fminf(min_value, x);
+    max_value = fmaxf(max_value, x);
+    sum += x;
+    sum_squares += static_cast<double>(x) * x;
+    return true;
+  }
+  __device__ __forceinline__ BlockStatistics ToBlock() const {
+    return BlockStatistics{min_value, max_value, finite,     nan,
+                           inf,       sum,       sum_squares};
+  }
+};
+
+// The load units of head h that one thread visits: flat indices j = t,
+// t + stride, ... below total over the head's outer x units_per_row units.
+// Unit u of row o sits at (o * heads + h) * units_per_row + u; the walk tracks
+// (row, unit-in-row) and the absolute unit index incrementally.
+struct HeadWalk {
+  uint64_t total;
+  uint64_t units_per_row;
+  uint64_t stride;
+  uint64_t stride_units;  // stride % units_per_row
+  uint64_t step;          // absolute advance of one stride, before the carry
+  uint64_t carry_step;    // extra advance when the unit-in-row wraps
+  uint64_t j;
+  uint64_t in_row;
+  uint64_t unit;
+
+  __device__ __forceinline__ HeadWalk(const ChunkLaunch& chunk, uint32_t h,
+                                      uint32_t values_per_unit) {
+    units_per_row = chunk.inner / values_per_unit;
+    total = chunk.outer * units_per_row;
+    const uint64_t row_step =
+        static_cast<uint64_t>(chunk.heads) * units_per_row;
+    stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+    const uint64_t stride_rows = stride / units_per_row;
+    stride_units = stride - stride_rows * units_per_row;
+    step = stride_rows * row_step + stride_units;
+    carry_step = row_step - units_per_row;
+    j = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    in_row = j % units_per_row;
+    unit = (j / units_per_row) * row_step +
+           static_cast<uint64_t>(h) * units_per_row + in_row;
+  }
+  __device__ __forceinline__ bool Valid() const { return j < total; }
+  __device__ __forceinline__ void Advance() {
+    j += stride;
+    in_row += stride_units;
+    unit += step;
+    if (in_row >= units_per_row) {  // stride_units < units_per_row: one carry
+      in_row -= units_per_row;
+      unit += carry_step;
+    }
+  }
+};
+
+// Appends this round's tail candidates of every lane (bit v of `candidates`:
+// magnitudes[v] enters) behind the warp's kept ones, and compacts the buffer
+// to the kTailCapacity largest when it holds more, raising the warp's floor.
+// Called by all 32 lanes (the caller's condition is warp-uniform).
+template <int kPerRound>
+__device__ __forceinline__ void AppendWarpCandidates(
+    const float (&magnitudes)[kPerRound], uint32_t candidates,
+    float* tail_buffer, uint32_t& tail_count, uint32_t& floor_bits,
+    uint32_t lane, typename cub::WarpScan<uint32_t>::TempStorage& scan) {
+  // The exclusive prefix sum of the lanes' counts (0 for lane 0) gives each
+  // lane its offset, the warp aggregate how many were added.
+  uint32_t below = 0;
+  uint32_t added = 0;
+  cub::WarpScan<uint32_t>(scan).ExclusiveSum(
+      static_cast<uint32_t>(__popc(candidates)), below, added);
+  uint32_t position = tail_count + below;
+#pragma unroll
+  for (int v = 0; v < kPerRound; ++v) {
+    if ((candidates >> v) & 1u) tail_buffer[position++] = magnitudes[v];
+  }
+  tail_count += added;  // <= kTailCapacity + 512
+  __syncwarp();
+  if (tail_count > kTailCapacity) {
+    CompactWarpTail(tail_buffer, tail_count, lane);
+    tail_count = kTailCapacity;
+    floor_bits = FloatBits(tail_buffer[kTailCapacity - 1]) + 1u;
+  }
+}
+
+// Adds the block's result to the head's global state: the shared histogram
+// (every thread), then, from thread 0, counts, sums and extrema (`block` is
+// valid in thread 0 only). After a __syncthreads.
+__device__ __forceinline__ void FlushBlock(const DeviceState& state,
+                                           const ChunkLaunch& chunk,
+                                           uint32_t head,
+                                           const BlockStatistics& block,
+                                           const uint32_t* histogram) {
+  if (histogram != nullptr) {
+    unsigned long long* global_histogram =
+        state.histogram + static_cast<size_t>(head) * state.bins;
+    for (uint32_t b = threadIdx.x; b < state.bins; b += blockDim.x) {
+      const uint32_t count = histogram[b];
+      if (count != 0) {
+        atomicAdd(global_histogram + b, static_cast<unsigned long long>(count));
+      }
+    }
+  }
+  if (threadIdx.x != 0) return;
+  const size_t counts = 3 * static_cast<size_t>(head);
+  const size_t sums = 2 * static_cast<size_t>(head);
+  if (block.finite != 0) {
+    atomicAdd(&state.counts[counts], block.finite);
+    atomicAdd(&state.sums[sums], block.sum);
+    atomicAdd(&state.sums[sums + 1], block.sum_squares);
+    const uint32_t min_key = OrderedKeyFromBits(FloatBits(block.min));
+    const uint32_t max_key = OrderedKeyFromBits(FloatBits(block.max));
+    atomicMax(&state.min_key_inverted[head], ~min_key);
+    atomicMax(&state.max_key[head], max_key);
+    const size_t batch_index =
+        static_cast<size_t>(chunk.batch_slot) * state.heads_total + head;
+    atomicMax(&state.batch_min_key_inverted[batch_index], ~min_key);
+    atomicMax(&state.batch_max_key[batch_index], max_key);
+  }
+  if (block.nan != 0) atomicAdd(&state.counts[counts + 1], block.nan);
+  if (block.inf != 0) atomicAdd(&state.counts[counts + 2], block.inf);
+}
+
 template <ElementType kType, bool kVectorized, bool kHistograms>
 __global__ void __launch_bounds__(kAccumulateThreads, 4)
     AccumulateKernel(DeviceState state, TailScratch scratch,
@@ -225,16 +371,14 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
 
   using BlockReduceStatistics =
       cub::BlockReduce<BlockStatistics, kAccumulateThreads>;
-  using WarpScanCounts = cub::WarpScan<uint32_t>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ typename BlockReduceStatistics::TempStorage reduce_storage;
-  __shared__
-      typename WarpScanCounts::TempStorage scan_storage[kAccumulateWarps];
+  __shared__ typename cub::WarpScan<uint32_t>::TempStorage
+      scan_storage[kAccumulateWarps];
 
   const uint32_t lane = threadIdx.x & 31u;
   const uint32_t warp = threadIdx.x >> 5;
-  const uint32_t h = blockIdx.y;
-  const uint32_t head = chunk.head_base + h;
+  const uint32_t head = chunk.head_base + blockIdx.y;
 
   uint32_t* histogram = reinterpret_cast<uint32_t*>(shared_bytes);
   float* tail_buffer = reinterpret_cast<float*>(
@@ -250,48 +394,20 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
     __syncthreads();
   }
 
-  // Load unit u of row o of this head sits at (o * heads + h) * units_per_row
-  // + u. The thread visits flat indices j = t, t + stride, ... below total,
-  // tracking (row, unit-in-row) and the absolute unit index incrementally.
-  const uint64_t units_per_row = chunk.inner / kValues;
-  const uint64_t total = chunk.outer * units_per_row;
-  const uint64_t row_step = static_cast<uint64_t>(chunk.heads) * units_per_row;
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  const uint64_t stride_rows = stride / units_per_row;
-  const uint64_t stride_units = stride - stride_rows * units_per_row;
-  const uint64_t step = stride_rows * row_step + stride_units;
-  const uint64_t carry_step = row_step - units_per_row;
-  uint64_t j = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  uint64_t in_row = j % units_per_row;
-  uint64_t unit = (j / units_per_row) * row_step +
-                  static_cast<uint64_t>(h) * units_per_row + in_row;
-
-  float min_value = BitsToFloat(0x7f800000u);  // +Inf
-  float max_value = BitsToFloat(0xff800000u);  // -Inf
-  uint32_t finite = 0;
-  uint32_t nan = 0;
-  uint32_t inf = 0;
-  double sum = 0.0;
-  double sum_squares = 0.0;
-
+  HeadWalk walk(chunk, blockIdx.y, kValues);
+  ThreadStatistics mine = ThreadStatistics::Empty();
   // Rounds are uniform over the grid (the loop bound does not depend on the
   // thread), so warp-collective tail code below sees all 32 lanes.
-  const uint64_t round_step = stride * kUnroll;
-  for (uint64_t round = 0; round < total; round += round_step) {
+  const uint64_t round_step = walk.stride * kUnroll;
+  for (uint64_t round = 0; round < walk.total; round += round_step) {
     typename L::Raw raw[kUnroll];
     bool valid[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      valid[u] = j < total;
+      valid[u] = walk.Valid();
       raw[u] = typename L::Raw{};
-      if (valid[u]) raw[u] = L::Load(chunk.data, unit);
-      j += stride;
-      in_row += stride_units;
-      unit += step;
-      if (in_row >= units_per_row) {  // stride_units < units_per_row: one carry
-        in_row -= units_per_row;
-        unit += carry_step;
-      }
+      if (valid[u]) raw[u] = L::Load(chunk.data, walk.unit);
+      walk.Advance();
     }
 
     [[maybe_unused]] float magnitudes[kHistograms ? kPerRound : 1];
@@ -303,13 +419,7 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
 #pragma unroll
       for (int v = 0; v < kValues; ++v) {
         const float x = CanonicalZero(decoded[v]);
-        if (!valid[u]) continue;
-        if (CountIfNonFinite(x, nan, inf)) continue;
-        ++finite;
-        min_value = fminf(min_value, x);
-        max_value = fmaxf(max_value, x);
-        sum += x;
-        sum_squares += static_cast<double>(x) * x;
+        if (!valid[u] || !mine.Add(x)) continue;
         if constexpr (kHistograms) {
           atomicAdd(&histogram[HistogramBin(x, state.log2_bins_per_octave)],
                     1u);
@@ -323,27 +433,8 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
 
     if constexpr (kHistograms) {
       if (__any_sync(kFullWarpMask, candidates != 0)) {
-        // Append this round's candidates behind the kept ones: the
-        // exclusive prefix sum of the lanes' counts (0 for lane 0) gives each
-        // lane its offset, the warp aggregate how many were added. All 32
-        // lanes are here: the condition above is warp-uniform.
-        uint32_t below = 0;
-        uint32_t added = 0;
-        WarpScanCounts(scan_storage[warp])
-            .ExclusiveSum(static_cast<uint32_t>(__popc(candidates)), below,
-                          added);
-        uint32_t position = tail_count + below;
-#pragma unroll
-        for (int v = 0; v < kPerRound; ++v) {
-          if ((candidates >> v) & 1u) tail_buffer[position++] = magnitudes[v];
-        }
-        tail_count += added;  // <= kTailCapacity + 512
-        __syncwarp();
-        if (tail_count > kTailCapacity) {
-          CompactWarpTail(tail_buffer, tail_count, lane);
-          tail_count = kTailCapacity;
-          floor_bits = FloatBits(tail_buffer[kTailCapacity - 1]) + 1u;
-        }
+        AppendWarpCandidates(magnitudes, candidates, tail_buffer, tail_count,
+                             floor_bits, lane, scan_storage[warp]);
       }
     }
   }
@@ -363,51 +454,9 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
   // Every thread of the block gets here (no early exit above).
   const BlockStatistics block =
       BlockReduceStatistics(reduce_storage)
-          .Reduce(BlockStatistics{min_value, max_value, finite, nan, inf, sum,
-                                  sum_squares},
-                  MergeBlockStatistics());  // valid in thread 0
+          .Reduce(mine.ToBlock(), MergeBlockStatistics());  // thread 0's
   __syncthreads();  // every thread's histogram atomics are done
-
-  if constexpr (kHistograms) {
-    unsigned long long* global_histogram =
-        state.histogram + static_cast<size_t>(head) * state.bins;
-    for (uint32_t b = threadIdx.x; b < state.bins; b += blockDim.x) {
-      const uint32_t count = histogram[b];
-      if (count != 0) {
-        atomicAdd(global_histogram + b, static_cast<unsigned long long>(count));
-      }
-    }
-  }
-
-  if (threadIdx.x == 0) {
-    const float block_min = block.min;
-    const float block_max = block.max;
-    const unsigned long long block_finite = block.finite;
-    const unsigned long long block_nan = block.nan;
-    const unsigned long long block_inf = block.inf;
-    const double block_sum = block.sum;
-    const double block_sum_squares = block.sum_squares;
-    if (block_finite != 0) {
-      atomicAdd(&state.counts[3 * static_cast<size_t>(head)], block_finite);
-      atomicAdd(&state.sums[2 * static_cast<size_t>(head)], block_sum);
-      atomicAdd(&state.sums[2 * static_cast<size_t>(head) + 1],
-                block_sum_squares);
-      const uint32_t min_key = OrderedKeyFromBits(FloatBits(block_min));
-      const uint32_t max_key = OrderedKeyFromBits(FloatBits(block_max));
-      atomicMax(&state.min_key_inverted[head], ~min_key);
-      atomicMax(&state.max_key[head], max_key);
-      const size_t batch_index =
-          static_cast<size_t>(chunk.batch_slot) * state.heads_total + head;
-      atomicMax(&state.batch_min_key_inverted[batch_index], ~min_key);
-      atomicMax(&state.batch_max_key[batch_index], max_key);
-    }
-    if (block_nan != 0) {
-      atomicAdd(&state.counts[3 * static_cast<size_t>(head) + 1], block_nan);
-    }
-    if (block_inf != 0) {
-      atomicAdd(&state.counts[3 * static_cast<size_t>(head) + 2], block_inf);
-    }
-  }
+  FlushBlock(state, chunk, head, block, kHistograms ? histogram : nullptr);
 }
 
 // One block of kTailSelectThreads per head of the chunk (blockIdx.x = chunk

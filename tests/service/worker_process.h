@@ -37,8 +37,13 @@ class WorkerProcess {
     std::filesystem::create_directories(dir_);
     const std::string port_file = (dir_ / "port").string();
     const std::string log_file = (dir_ / "worker.log").string();
-    std::vector<std::string> args = {KVCAL_WORKER_PATH, "--listen", listen,
-                                     "--port-file", port_file};
+    // KVCAL_WORKER_PATH in the environment overrides the build's path (a
+    // GPU bundle runs the tests far from the build directory).
+    const char* worker_path = std::getenv("KVCAL_WORKER_PATH");
+    std::vector<std::string> args = {
+        worker_path != nullptr && *worker_path != '\0' ? worker_path
+                                                        : KVCAL_WORKER_PATH,
+        "--listen", listen, "--port-file", port_file};
     if (std::find(extra_args.begin(), extra_args.end(), "--backend") ==
         extra_args.end()) {
       args.push_back("--backend");
