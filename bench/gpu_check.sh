@@ -20,7 +20,9 @@
 #                             in DIR (default: a temporary directory, removed)
 #   GPU_CHECK_SANITIZE=1      afterwards, run the CUDA backend tests under
 #                             compute-sanitizer memcheck and racecheck
-#                             (GPU_CHECK_SANITIZE_FILTER, default all;
+#                             (GPU_CHECK_SANITIZE_FILTER, default all, and
+#                             GPU_CHECK_RACECHECK_FILTER for racecheck, which
+#                             is far slower;
 #                             GPU_CHECK_SANITIZE_TIMEOUT seconds each,
 #                             default 150); a reported error or a time-out
 #                             fails the check
@@ -125,6 +127,9 @@ done
 if [[ ! -x "${bundle}/bin/kvcal_backend_cuda_test" ]]; then
   failures+=("no kvcal_backend_cuda_test in ${bundle}/bin")
 fi
+if [[ ! -x "${bundle}/bin/kvcal_fp8_attention_cuda_test" ]]; then
+  echo "gpu_check: note: no kvcal_fp8_attention_cuda_test in the bundle (built without cuDNN or cudnn-frontend)"
+fi
 # The worker side: a real kvcal-worker --backend cuda fed through CUDA IPC.
 if [[ -x "${bundle}/service/bin/kvcal_shared_memory_cuda_test" ]]; then
   LD_LIBRARY_PATH="${bundle}/service/lib${base_library_path:+:${base_library_path}}" \
@@ -153,6 +158,9 @@ sanitize_timeout="${GPU_CHECK_SANITIZE_TIMEOUT:-150}"
 sanitize() {
   local tool="$1" sanitizer log="${log_dir}/sanitizer-$1.log"
   local filter="${GPU_CHECK_SANITIZE_FILTER:-*}"
+  if [[ "${tool}" == racecheck && -n "${GPU_CHECK_RACECHECK_FILTER:-}" ]]; then
+    filter="${GPU_CHECK_RACECHECK_FILTER}"
+  fi
   # gtest filters: POSITIVE[-NEGATIVE], one '-' at most.
   if [[ "${filter}" == *-* ]]; then
     filter="${filter}:${two_gpu_test}"
@@ -174,7 +182,10 @@ sanitize() {
     failures+=("compute-sanitizer not found")
     return
   fi
-  timeout "${sanitize_timeout}" "${sanitizer}" --tool "${tool}" --error-exitcode 99 \
+  # API errors are not memory errors: the out-of-memory tests make
+  # cudaMalloc fail on purpose.
+  timeout "${sanitize_timeout}" "${sanitizer}" --tool "${tool}" \
+    --report-api-errors no --error-exitcode 99 \
     "${bundle}/bin/kvcal_backend_cuda_test" --gtest_brief=1 \
     --gtest_filter="${filter}" \
     >"${log}" 2>&1

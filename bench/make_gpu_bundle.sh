@@ -44,7 +44,10 @@ binaries=("${build}/bench/gpu/kvcal_bench_gpu"
           "${build}/tests/kernels/kvcal_cuda_status_test")
 # The cuDNN FP8 attention test exists when the configure found cuDNN and the
 # cudnn-frontend headers (./run gpu-bundle installs them).
-if ninja -C "${build}" -t targets all | grep -q '^kvcal_fp8_attention_cuda_test:'; then
+# (grep without -q: with pipefail, grep -q leaving early would fail ninja
+# with SIGPIPE, and the test would silently drop out of the bundle.)
+if ninja -C "${build}" -t targets all |
+   grep '^kvcal_fp8_attention_cuda_test:' >/dev/null; then
   targets+=(kvcal_fp8_attention_cuda_test)
   binaries+=("${build}/tests/kernels/kvcal_fp8_attention_cuda_test")
 fi

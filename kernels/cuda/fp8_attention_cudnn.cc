@@ -287,9 +287,17 @@ absl::StatusOr<std::vector<float>> CudnnFp8AttentionOutput(
                          cuda::DeviceGuard::Enter(device));
   KVCAL_ASSIGN_OR_RETURN(CudnnHandle handle, CudnnHandle::Create());
   const float attn_scale = 1.0f / std::sqrt(static_cast<float>(dim));
-  KVCAL_ASSIGN_OR_RETURN(
-      std::shared_ptr<fe::graph::Graph> graph,
-      BuildGraph(handle.get(), group, tokens, dim, attn_scale));
+  absl::StatusOr<std::shared_ptr<fe::graph::Graph>> built =
+      BuildGraph(handle.get(), group, tokens, dim, attn_scale);
+  if (!built.ok()) {
+    // cuDNN refuses some shapes (on an H200 with cuDNN 9: a single token,
+    // "No valid engine configs"): say which.
+    return absl::Status(built.status().code(),
+                        absl::StrCat(built.status().message(), " (tokens ",
+                                     tokens, ", query heads per KV head ",
+                                     group, ", head_dim ", dim, ")"));
+  }
+  std::shared_ptr<fe::graph::Graph> graph = *std::move(built);
   int64_t workspace_bytes = 0;
   KVCAL_FE_RETURN_IF_ERROR(graph->get_workspace_size(workspace_bytes),
                            "get_workspace_size");

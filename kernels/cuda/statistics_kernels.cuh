@@ -14,8 +14,9 @@
 // the histogram in shared memory (32-bit counters). Each warp keeps its own
 // exact top-kTailCapacity |x| in a shared buffer: values at or below the
 // head's current 256th largest (tail_floor_bits) never enter, and when the
-// buffer holds more than kTailCapacity values the warp sorts it (bitonic) and
-// raises its own floor to its 256th largest. At the end: cub::BlockReduce, one
+// buffer could not take another round's candidates (more than 512 held) the
+// warp sorts it (bitonic), keeps its 256 largest and raises its own floor to
+// the 256th; once more at the end. Then: cub::BlockReduce, one
 // set of global atomics per block, the shared histogram added to the global
 // one, and each warp's <= kTailCapacity candidates written to TailScratch.
 //
@@ -290,9 +291,25 @@ struct HeadWalk {
   }
 };
 
+// Keeps the warp's kTailCapacity largest candidates when it holds more, and
+// raises the warp's floor to the smallest of them (plus one ulp). Called by
+// all 32 lanes with the same tail_count.
+__device__ __forceinline__ void CompactWarpTailIfOver(float* tail_buffer,
+                                                      uint32_t& tail_count,
+                                                      uint32_t& floor_bits,
+                                                      uint32_t lane) {
+  if (tail_count <= kTailCapacity) return;
+  CompactWarpTail(tail_buffer, tail_count, lane);
+  tail_count = kTailCapacity;
+  floor_bits = FloatBits(tail_buffer[kTailCapacity - 1]) + 1u;
+}
+
 // Appends this round's tail candidates of every lane (bit v of `candidates`:
-// magnitudes[v] enters) behind the warp's kept ones, and compacts the buffer
-// to the kTailCapacity largest when it holds more, raising the warp's floor.
+// magnitudes[v] enters) behind the warp's kept ones. The buffer is compacted
+// only when the next round's candidates might not fit, not whenever it holds
+// more than kTailCapacity: while the tails are empty (a session's first
+// chunk), every value is a candidate, and sorting after each round made that
+// chunk 17x slower than the next ones on an H200 (54 against 926 GB/s).
 // Called by all 32 lanes (the caller's condition is warp-uniform).
 template <int kPerRound>
 __device__ __forceinline__ void AppendWarpCandidates(
@@ -310,12 +327,10 @@ __device__ __forceinline__ void AppendWarpCandidates(
   for (int v = 0; v < kPerRound; ++v) {
     if ((candidates >> v) & 1u) tail_buffer[position++] = magnitudes[v];
   }
-  tail_count += added;  // <= kTailCapacity + 512
+  tail_count += added;  // <= kWarpTailBuffer
   __syncwarp();
-  if (tail_count > kTailCapacity) {
-    CompactWarpTail(tail_buffer, tail_count, lane);
-    tail_count = kTailCapacity;
-    floor_bits = FloatBits(tail_buffer[kTailCapacity - 1]) + 1u;
+  if (tail_count > kWarpTailBuffer - 32 * kPerRound) {
+    CompactWarpTailIfOver(tail_buffer, tail_count, floor_bits, lane);
   }
 }
 
@@ -368,6 +383,9 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
   static_assert(!kHistograms || kPerRound <= 16,
                 "candidate mask and warp tail buffer hold 16 values per lane");
   static_assert(kTailCapacity + 32 * 16 <= kWarpTailBuffer);
+  static_assert(
+      !kHistograms || kWarpTailBuffer - 32 * kPerRound >= kTailCapacity,
+      "a round's candidates fit behind a compacted tail");
 
   using BlockReduceStatistics =
       cub::BlockReduce<BlockStatistics, kAccumulateThreads>;
@@ -440,7 +458,7 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
   }
 
   if constexpr (kHistograms) {
-    // tail_count <= kTailCapacity here: every round ends compacted.
+    CompactWarpTailIfOver(tail_buffer, tail_count, floor_bits, lane);
     const size_t global_warp =
         (static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x) *
             kAccumulateWarps +
