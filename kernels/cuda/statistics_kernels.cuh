@@ -232,14 +232,31 @@ struct ThreadStatistics {
                             0.0,
                             0.0};
   }
-  // Counts x; false when it is not finite (then it is only counted).
-  __device__ __forceinline__ bool Add(float x) {
+  // Counts x and takes it into min/max; false when it is not finite (then
+  // it is only counted). The sums are the caller's (AddSums, AddFloatSums).
+  __device__ __forceinline__ bool AddExtrema(float x) {
     if (CountIfNonFinite(x, nan, inf)) return false;
     ++finite;
     min_value = fminf(min_value, x);
     max_value = fmaxf(max_value, x);
+    return true;
+  }
+  __device__ __forceinline__ void AddSums(float x) {
     sum += x;
     sum_squares += static_cast<double>(x) * x;
+  }
+  // Adds float partial sums of a few 16-bit values (whose squares float
+  // holds exactly) when float kept them to 2^-24 relative; false when it may
+  // not have (a partial overflowed, or every square was below 2^-100, where
+  // float loses the small ones): then the caller adds the values in double.
+  // The CPU backend's rule for 16-bit inputs (run_kernels_internal.h).
+  __device__ __forceinline__ bool AddFloatSums(float partial_sum,
+                                               float partial_squares) {
+    if (!(partial_squares >= 0x1p-100f) || IsNonFinite(partial_squares)) {
+      return false;
+    }
+    sum += partial_sum;
+    sum_squares += partial_squares;
     return true;
   }
   __device__ __forceinline__ BlockStatistics ToBlock() const {
@@ -434,10 +451,22 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
     for (int u = 0; u < kUnroll; ++u) {
       float decoded[kValues];
       L::Decode(raw[u], decoded);
+      // 16-bit vectors: the moments of the unit's values summed in float
+      // first, one FP64 add per unit instead of two per value (on an H200:
+      // bf16 without histograms 2670 -> 2780 GB/s, 0.59 -> 0.62 of HBM).
+      constexpr bool kFloatPartials = kValues > 1 && kType != ElementType::kF32;
+      [[maybe_unused]] float partial_sum = 0.0f;
+      [[maybe_unused]] float partial_squares = 0.0f;
 #pragma unroll
       for (int v = 0; v < kValues; ++v) {
         const float x = CanonicalZero(decoded[v]);
-        if (!valid[u] || !mine.Add(x)) continue;
+        if (!valid[u] || !mine.AddExtrema(x)) continue;
+        if constexpr (kFloatPartials) {
+          partial_sum += x;
+          partial_squares = fmaf(x, x, partial_squares);
+        } else {
+          mine.AddSums(x);
+        }
         if constexpr (kHistograms) {
           atomicAdd(&histogram[HistogramBin(x, state.log2_bins_per_octave)],
                     1u);
@@ -445,6 +474,15 @@ __global__ void __launch_bounds__(kAccumulateThreads, 4)
           magnitudes[u * kValues + v] = BitsToFloat(magnitude_bits);
           if (magnitude_bits >= floor_bits)
             candidates |= 1u << (u * kValues + v);
+        }
+      }
+      if constexpr (kFloatPartials) {
+        if (valid[u] && !mine.AddFloatSums(partial_sum, partial_squares)) {
+#pragma unroll
+          for (int v = 0; v < kValues; ++v) {
+            const float x = CanonicalZero(decoded[v]);
+            if (!IsNonFinite(x)) mine.AddSums(x);
+          }
         }
       }
     }
