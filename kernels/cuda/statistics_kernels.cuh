@@ -36,7 +36,6 @@
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 #include <cub/warp/warp_scan.cuh>
-#include <type_traits>
 
 // element_math.h computes unsigned bin offsets from the signed exponent
 // constants (127u + kHistogramMinExponent); the arithmetic is intended and
