@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (clang, ASan+UBSan) in build-fuzz/ and runs
-# each for N seconds (default 60) on its seed corpus, one after the other.
-# Fails on the first crash, leak, sanitizer report or broken invariant.
+# each for N seconds (default 60) on its seed corpus, KVCAL_FUZZ_JOBS of them
+# at a time (default: one per core; each target is one process on one core,
+# so running them side by side gives each the same time as one after the
+# other). Fails on any crash, leak, sanitizer report or broken invariant,
+# after the targets already started have finished.
 #
 #   tests/fuzz/run_fuzz.sh [seconds]
 #
@@ -39,24 +42,60 @@ fi
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:allocator_may_return_null=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 mkdir -p "$BUILD/logs"
-status=0
-for target in "${TARGETS[@]}"; do
-  seeds="$ROOT/tests/fuzz/corpus/$target"
-  work="$BUILD/corpus/$target"
-  artifacts="$BUILD/artifacts/$target"
+
+# run_target TARGET: one fuzzer run; its output goes to its log.
+run_target() {
+  local target="$1"
+  local seeds="$ROOT/tests/fuzz/corpus/$target"
+  local work="$BUILD/corpus/$target"
+  local artifacts="$BUILD/artifacts/$target"
   mkdir -p "$work" "$artifacts"
-  log "$target: ${SECONDS_PER_TARGET}s"
-  if "$BUILD/tests/fuzz/$target" "$work" "$seeds" \
-      -max_total_time="$SECONDS_PER_TARGET" -max_len=16384 -rss_limit_mb=2048 \
-      -timeout=20 -print_final_stats=1 -artifact_prefix="$artifacts/" \
-      >"$BUILD/logs/$target.log" 2>&1; then
+  "$BUILD/tests/fuzz/$target" "$work" "$seeds" \
+    -max_total_time="$SECONDS_PER_TARGET" -max_len=16384 -rss_limit_mb=2048 \
+    -timeout=20 -print_final_stats=1 -artifact_prefix="$artifacts/" \
+    >"$BUILD/logs/$target.log" 2>&1
+}
+
+# report TARGET STATUS: its summary, or its log's end and where the inputs are.
+report() {
+  local target="$1" status="$2"
+  if [ "$status" -eq 0 ]; then
     grep -E '^#[0-9]+.*DONE|^stat::number_of_executed_units' "$BUILD/logs/$target.log" |
-      tail -2 | sed "s/^/[fuzz] $target: /" >&2
+      tail -2 | sed "s/^/[fuzz] $target: /" >&2 || true
   else
     tail -60 "$BUILD/logs/$target.log" >&2
-    log "$target FAILED (log: $BUILD/logs/$target.log, inputs: $artifacts/)"
-    status=1
-    break
+    log "$target FAILED (log: $BUILD/logs/$target.log, inputs: $BUILD/artifacts/$target/)"
+  fi
+}
+
+max_jobs="${KVCAL_FUZZ_JOBS:-$(nproc)}"
+[ "$max_jobs" -ge 1 ] 2>/dev/null || max_jobs=1
+status=0
+batch=()
+# run_batch: the targets in `batch` side by side; waits for all of them.
+run_batch() {
+  local pids=() i rc
+  for target in "${batch[@]}"; do
+    log "$target: ${SECONDS_PER_TARGET}s"
+    run_target "$target" &
+    pids+=($!)
+  done
+  for i in "${!batch[@]}"; do
+    rc=0
+    wait "${pids[$i]}" || rc=$?
+    report "${batch[$i]}" "$rc"
+    [ "$rc" -eq 0 ] || status=1
+  done
+  batch=()
+}
+for target in "${TARGETS[@]}"; do
+  batch+=("$target")
+  if [ "${#batch[@]}" -ge "$max_jobs" ]; then
+    run_batch
+    [ "$status" -eq 0 ] || break
   fi
 done
+if [ "$status" -eq 0 ] && [ "${#batch[@]}" -gt 0 ]; then
+  run_batch
+fi
 exit $status
