@@ -125,11 +125,17 @@ for binary in "${bundle}"/bin/* "${bundle}"/service/bin/*; do
   dir="$(dirname "$(dirname "${binary}")")"
   limit="${max_glibc}"
   [[ "${dir}" == "${bundle}/service" ]] && limit="${max_glibc_service}"
+  loaded="$(LD_LIBRARY_PATH="${dir}/lib" ldd "${binary}")"
+  if grep 'not found' <<<"${loaded}" | grep -v 'libcudnn\|libnvrtc' >/dev/null; then
+    echo "make_gpu_bundle: $(basename "${binary}") has unresolved libraries:" >&2
+    grep 'not found' <<<"${loaded}" >&2
+    status=1
+  fi
   # The binary and every bundled library it loads.
   files=("${binary}")
   while read -r path; do
     [[ "${path}" == "${dir}/lib/"* ]] && files+=("${path}")
-  done < <(LD_LIBRARY_PATH="${dir}/lib" ldd "${binary}" | awk '/=> \// {print $3}')
+  done < <(awk '/=> \// {print $3}' <<<"${loaded}")
   for file in "${files[@]}"; do
     need=$(glibc_needed "${file}")
     version_le "${need}" "${newest}" || newest="${need}"
@@ -138,15 +144,6 @@ for binary in "${bundle}"/bin/* "${bundle}"/service/bin/*; do
       status=1
     fi
   done
-done
-for binary in "${bundle}"/bin/* "${bundle}"/service/bin/*; do
-  dir="$(dirname "$(dirname "${binary}")")"
-  if LD_LIBRARY_PATH="${dir}/lib" ldd "${binary}" |
-     grep 'not found' | grep -qv 'libcudnn\|libnvrtc'; then
-    echo "make_gpu_bundle: $(basename "${binary}") has unresolved libraries:" >&2
-    LD_LIBRARY_PATH="${dir}/lib" ldd "${binary}" | grep 'not found' >&2
-    status=1
-  fi
 done
 
 echo "bundle ${bundle}: $(ls "${bundle}/bin" "${bundle}/service/bin" | grep -v '^/\|^$' | tr '\n' ' ')"

@@ -42,7 +42,7 @@ class WorkerProcess {
     const char* worker_path = std::getenv("KVCAL_WORKER_PATH");
     std::vector<std::string> args = {
         worker_path != nullptr && *worker_path != '\0' ? worker_path
-                                                        : KVCAL_WORKER_PATH,
+                                                       : KVCAL_WORKER_PATH,
         "--listen", listen, "--port-file", port_file};
     if (std::find(extra_args.begin(), extra_args.end(), "--backend") ==
         extra_args.end()) {
