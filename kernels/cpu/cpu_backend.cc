@@ -243,12 +243,12 @@ class CpuBackend final : public StatisticsBackend {
     if (!chunk.pieces.empty()) {
       PieceWalker walker(extent, DTypeSize(chunk.dtype));
       walker.Add(chunk.pieces);
-      cpu::BestSpansFn(chunk.dtype)(walker.spans().data(),
-                                    walker.spans().size(), extent.heads,
-                                    tasks[0].accs.data());
+      cpu::BestLoops(chunk.dtype)
+          .spans(walker.spans().data(), walker.spans().size(), extent.heads,
+                 tasks[0].accs.data());
       return;
     }
-    const cpu::RowsFn rows_fn = cpu::BestRowsFn(chunk.dtype);
+    const cpu::RowsFn rows_fn = cpu::BestLoops(chunk.dtype).rows;
     const size_t element_size = DTypeSize(chunk.dtype);
     const size_t row_stride = extent.heads * extent.inner;
     auto run = [&](ChunkTask& task) {

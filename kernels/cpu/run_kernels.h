@@ -11,9 +11,9 @@
 // memory order:
 //
 //   std::vector<kvcal::cpu::RunAccumulator> accs(extent.heads);
-//   kvcal::cpu::BestRowsFn(dtype)(data, extent.outer,
-//                                 extent.heads * extent.inner, extent.heads,
-//                                 extent.inner, accs.data());
+//   kvcal::cpu::BestLoops(dtype).rows(data, extent.outer,
+//                                     extent.heads * extent.inner,
+//                                     extent.heads, extent.inner, accs.data());
 #ifndef KVCAL_KERNELS_CPU_RUN_KERNELS_H_
 #define KVCAL_KERNELS_CPU_RUN_KERNELS_H_
 
@@ -68,13 +68,6 @@ struct RunAccumulator {
 using RowsFn = void (*)(const void* data, size_t rows, size_t stride,
                         size_t heads, size_t length, RunAccumulator* accs);
 
-RowsFn ScalarRowsFn(DType dtype);
-// nullptr when this build or this CPU has no AVX2/F16C/FMA.
-RowsFn Avx2RowsFn(DType dtype);
-// nullptr when this build or this CPU has no AVX-512 F/BW/VL/DQ (f32 uses
-// the AVX2 loop: its double sums need the same order on both).
-RowsFn Avx512RowsFn(DType dtype);
-
 // rows x heads runs of `length` values at `data`: the run of row r and span
 // head j starts (r * stride + j * length) elements after `data` and goes to
 // accs[head + j].
@@ -92,9 +85,19 @@ struct RowSpan {
 // span; every ISA gives the same bits.
 using SpansFn = void (*)(const RowSpan* spans, size_t count, size_t heads,
                          RunAccumulator* accs);
-SpansFn ScalarSpansFn(DType dtype);
-SpansFn Avx2SpansFn(DType dtype);    // nullptr without AVX2
-SpansFn Avx512SpansFn(DType dtype);  // nullptr without AVX-512
+
+// The loops of one instruction set for one dtype; both null when this build
+// or this CPU lacks the instruction set.
+struct Loops {
+  RowsFn rows = nullptr;
+  SpansFn spans = nullptr;
+};
+Loops ScalarLoops(DType dtype);
+// Needs AVX2, F16C and FMA.
+Loops Avx2Loops(DType dtype);
+// Needs AVX-512 F/BW/VL/DQ (and AVX2: f32 uses the AVX2 loops, as its double
+// sums need the same order on both).
+Loops Avx512Loops(DType dtype);
 
 // Instruction sets of the inner loops, narrowest first.
 enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
@@ -105,12 +108,10 @@ CpuIsa SupportedCpuIsa();
 // SupportedCpuIsa(), capped by KVCAL_CPU_ISA when set (read once; an unknown
 // value is ignored with a message on stderr).
 CpuIsa ActiveCpuIsa();
-// The loop of `isa`; nullptr when this build or CPU lacks it.
-RowsFn RowsFnFor(CpuIsa isa, DType dtype);
-// RowsFnFor(ActiveCpuIsa(), dtype).
-RowsFn BestRowsFn(DType dtype);
-SpansFn SpansFnFor(CpuIsa isa, DType dtype);
-SpansFn BestSpansFn(DType dtype);
+// The loops of `isa` (null when this build or CPU lacks it).
+Loops LoopsFor(CpuIsa isa, DType dtype);
+// LoopsFor(ActiveCpuIsa(), dtype).
+Loops BestLoops(DType dtype);
 
 }  // namespace kvcal::cpu
 

@@ -1,5 +1,5 @@
 // AVX2 + F16C + FMA inner loops. This file alone is compiled with
-// -mavx2 -mf16c -mfma; Avx2RowsFn checks the CPU at run time before handing
+// -mavx2 -mf16c -mfma; Avx2Loops checks the CPU at run time before handing
 // these out, so the binary still runs on CPUs without AVX2.
 //
 // The walk follows memory order (run_kernels.h): each head's vector state
@@ -455,7 +455,7 @@ __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
   const size_t pairs_per_run = length / 16;
   const bool single = (length / 8) % 2 != 0;
   const size_t rest = length % 8;
-  const RowsFn scalar = ScalarRowsFn(kDType);
+  const RowsFn scalar = ScalarLoops(kDType).rows;
   for (size_t r = 0; r < rows; ++r) {
     const unsigned char* row = base + r * stride_bytes;
     for (size_t h = 0; h < heads; ++h) {
@@ -486,7 +486,7 @@ void Avx2Rows(const void* data, size_t rows, size_t stride, size_t heads,
               size_t length, RunAccumulator* accs) {
   constexpr size_t kSize = kDType == DType::kF32 ? 4 : 2;
   if (length < 8) {
-    return ScalarRowsFn(kDType)(data, rows, stride, heads, length, accs);
+    return ScalarLoops(kDType).rows(data, rows, stride, heads, length, accs);
   }
   size_t group = heads;
   if constexpr (kHistogram) {
@@ -504,23 +504,19 @@ void Avx2Rows(const void* data, size_t rows, size_t stride, size_t heads,
 }
 
 template <DType kDType>
+struct Avx2Loop {
+  template <bool kHistogram, bool kTail>
+  static RowsFn Get() {
+    return &Avx2Rows<kDType, kHistogram, kTail>;
+  }
+};
+
+template <DType kDType>
 void Avx2Dispatch(const void* data, size_t rows, size_t stride, size_t heads,
                   size_t length, RunAccumulator* accs) {
   if (rows == 0 || heads == 0 || length == 0) return;
-  if (accs[0].histogram != nullptr) {
-    if (accs[0].tail != nullptr) {
-      return Avx2Rows<kDType, true, true>(data, rows, stride, heads, length,
-                                          accs);
-    }
-    return Avx2Rows<kDType, true, false>(data, rows, stride, heads, length,
-                                         accs);
-  }
-  if (accs[0].tail != nullptr) {
-    return Avx2Rows<kDType, false, true>(data, rows, stride, heads, length,
-                                         accs);
-  }
-  return Avx2Rows<kDType, false, false>(data, rows, stride, heads, length,
-                                        accs);
+  internal::ChooseLoop<Avx2Loop<kDType>>(accs[0])(data, rows, stride, heads,
+                                                  length, accs);
 }
 
 // The 16-bit loop (run_kernels_16bit.inc) on 16 float lanes held as two
@@ -690,30 +686,13 @@ bool CpuHasAvx2() {
 
 }  // namespace
 
-RowsFn Avx2RowsFn(DType dtype) {
-  if (!CpuHasAvx2()) return nullptr;
-  switch (dtype) {
-    case DType::kF32:
-      return &Avx2Dispatch<DType::kF32>;
-    case DType::kF16:
-      return &Dispatch16<DType::kF16>;
-    case DType::kBf16:
-      return &Dispatch16<DType::kBf16>;
+Loops Avx2Loops(DType dtype) {
+  if (!CpuHasAvx2()) return {};
+  if (dtype == DType::kF32) {
+    return {&Avx2Dispatch<DType::kF32>,
+            &internal::SpansByRows<&Avx2Dispatch<DType::kF32>>};
   }
-  return nullptr;
-}
-
-SpansFn Avx2SpansFn(DType dtype) {
-  if (!CpuHasAvx2()) return nullptr;
-  switch (dtype) {
-    case DType::kF32:
-      return &internal::SpansByRows<&Avx2Dispatch<DType::kF32>>;
-    case DType::kF16:
-      return &SpansDispatch16<DType::kF16>;
-    case DType::kBf16:
-      return &SpansDispatch16<DType::kBf16>;
-  }
-  return nullptr;
+  return Loops16(dtype);
 }
 
 }  // namespace kvcal::cpu
@@ -721,8 +700,7 @@ SpansFn Avx2SpansFn(DType dtype) {
 #else  // no AVX2 in this build
 
 namespace kvcal::cpu {
-RowsFn Avx2RowsFn(DType) { return nullptr; }
-SpansFn Avx2SpansFn(DType) { return nullptr; }
+Loops Avx2Loops(DType) { return {}; }
 }  // namespace kvcal::cpu
 
 #endif

@@ -3,7 +3,7 @@
 // carry the target through `#pragma GCC target` (clang: an attribute pushed
 // over the file) after every header is included, so nothing outside them is
 // compiled for AVX-512 and the binary still runs on CPUs without it;
-// Avx512RowsFn checks the CPU at run time before handing these out.
+// Avx512Loops checks the CPU at run time before handing these out.
 #include "kernels/cpu/run_kernels.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -178,39 +178,20 @@ struct V {
 #include "kernels/cpu/run_kernels_16bit.inc"
 
 bool CpuHasAvx512() {
-  static const bool has =
-      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq") && Avx2RowsFn(DType::kF32) != nullptr;
+  static const bool has = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512dq") &&
+                          Avx2Loops(DType::kF32).rows != nullptr;
   return has;
 }
 
 }  // namespace
 
-RowsFn Avx512RowsFn(DType dtype) {
-  if (!CpuHasAvx512()) return nullptr;
-  switch (dtype) {
-    case DType::kF32:
-      return Avx2RowsFn(dtype);
-    case DType::kF16:
-      return &Dispatch16<DType::kF16>;
-    case DType::kBf16:
-      return &Dispatch16<DType::kBf16>;
-  }
-  return nullptr;
-}
-
-SpansFn Avx512SpansFn(DType dtype) {
-  if (!CpuHasAvx512()) return nullptr;
-  switch (dtype) {
-    case DType::kF32:
-      return Avx2SpansFn(dtype);
-    case DType::kF16:
-      return &SpansDispatch16<DType::kF16>;
-    case DType::kBf16:
-      return &SpansDispatch16<DType::kBf16>;
-  }
-  return nullptr;
+Loops Avx512Loops(DType dtype) {
+  if (!CpuHasAvx512()) return {};
+  if (dtype == DType::kF32) return Avx2Loops(dtype);
+  return Loops16(dtype);
 }
 
 }  // namespace kvcal::cpu
@@ -225,8 +206,7 @@ SpansFn Avx512SpansFn(DType dtype) {
 #else  // not x86-64
 
 namespace kvcal::cpu {
-RowsFn Avx512RowsFn(DType) { return nullptr; }
-SpansFn Avx512SpansFn(DType) { return nullptr; }
+Loops Avx512Loops(DType) { return {}; }
 }  // namespace kvcal::cpu
 
 #endif

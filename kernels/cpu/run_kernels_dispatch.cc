@@ -28,8 +28,8 @@ absl::StatusOr<CpuIsa> ParseCpuIsa(absl::string_view text) {
 }
 
 CpuIsa SupportedCpuIsa() {
-  if (Avx512RowsFn(DType::kBf16) != nullptr) return CpuIsa::kAvx512;
-  if (Avx2RowsFn(DType::kBf16) != nullptr) return CpuIsa::kAvx2;
+  if (Avx512Loops(DType::kBf16).rows != nullptr) return CpuIsa::kAvx512;
+  if (Avx2Loops(DType::kBf16).rows != nullptr) return CpuIsa::kAvx2;
   return CpuIsa::kScalar;
 }
 
@@ -50,42 +50,24 @@ CpuIsa ActiveCpuIsa() {
   return active;
 }
 
-RowsFn RowsFnFor(CpuIsa isa, DType dtype) {
+Loops LoopsFor(CpuIsa isa, DType dtype) {
   switch (isa) {
     case CpuIsa::kScalar:
-      return ScalarRowsFn(dtype);
+      return ScalarLoops(dtype);
     case CpuIsa::kAvx2:
-      return Avx2RowsFn(dtype);
+      return Avx2Loops(dtype);
     case CpuIsa::kAvx512:
-      return Avx512RowsFn(dtype);
+      return Avx512Loops(dtype);
   }
-  return nullptr;
+  return {};
 }
 
-RowsFn BestRowsFn(DType dtype) {
+Loops BestLoops(DType dtype) {
   for (int isa = static_cast<int>(ActiveCpuIsa()); isa >= 0; --isa) {
-    if (RowsFn fn = RowsFnFor(static_cast<CpuIsa>(isa), dtype)) return fn;
+    const Loops loops = LoopsFor(static_cast<CpuIsa>(isa), dtype);
+    if (loops.rows != nullptr) return loops;
   }
-  return ScalarRowsFn(dtype);
-}
-
-SpansFn SpansFnFor(CpuIsa isa, DType dtype) {
-  switch (isa) {
-    case CpuIsa::kScalar:
-      return ScalarSpansFn(dtype);
-    case CpuIsa::kAvx2:
-      return Avx2SpansFn(dtype);
-    case CpuIsa::kAvx512:
-      return Avx512SpansFn(dtype);
-  }
-  return nullptr;
-}
-
-SpansFn BestSpansFn(DType dtype) {
-  for (int isa = static_cast<int>(ActiveCpuIsa()); isa >= 0; --isa) {
-    if (SpansFn fn = SpansFnFor(static_cast<CpuIsa>(isa), dtype)) return fn;
-  }
-  return ScalarSpansFn(dtype);
+  return ScalarLoops(dtype);
 }
 
 }  // namespace kvcal::cpu

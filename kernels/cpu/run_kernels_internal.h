@@ -98,6 +98,19 @@ inline bool NonFiniteBits(uint32_t bits) {
   return (bits & 0x7f800000u) == 0x7f800000u;
 }
 
+// The instantiation of a loop templated on <kHistogram, kTail> that the
+// accumulators ask for (they all agree: run_kernels.h), chosen once per call:
+// Loop<L>::Get<true, false>() must return L<..., true, false>.
+template <typename Loop>
+auto ChooseLoop(const RunAccumulator& acc) {
+  if (acc.histogram != nullptr) {
+    return acc.tail != nullptr ? Loop::template Get<true, true>()
+                               : Loop::template Get<true, false>();
+  }
+  return acc.tail != nullptr ? Loop::template Get<false, true>()
+                             : Loop::template Get<false, false>();
+}
+
 // A SpansFn that calls `kRows` once per span.
 template <RowsFn kRows>
 void SpansByRows(const RowSpan* spans, size_t count, size_t /*heads*/,

@@ -288,28 +288,16 @@ void ExactStats16(DType dtype, const unsigned char* p, size_t n,
 
 }  // namespace internal
 
-RowsFn ScalarRowsFn(DType dtype) {
+Loops ScalarLoops(DType dtype) {
   switch (dtype) {
     case DType::kF32:
-      return &ScalarF32Dispatch;
+      return {&ScalarF32Dispatch, &internal::SpansByRows<&ScalarF32Dispatch>};
     case DType::kF16:
-      return &Scalar16Rows<DType::kF16>;
+      return {&Scalar16Rows<DType::kF16>, &Scalar16Spans<DType::kF16>};
     case DType::kBf16:
-      return &Scalar16Rows<DType::kBf16>;
+      return {&Scalar16Rows<DType::kBf16>, &Scalar16Spans<DType::kBf16>};
   }
-  return nullptr;
-}
-
-SpansFn ScalarSpansFn(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return &internal::SpansByRows<&ScalarF32Dispatch>;
-    case DType::kF16:
-      return &Scalar16Spans<DType::kF16>;
-    case DType::kBf16:
-      return &Scalar16Spans<DType::kBf16>;
-  }
-  return nullptr;
+  return {};
 }
 
 }  // namespace kvcal::cpu

@@ -126,7 +126,7 @@ TEST_P(RunKernelsTest, EveryInstructionSetGivesTheSameBits) {
   const DType dtype = GetParam();
   std::vector<CpuIsa> isas;
   for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-    if (RowsFnFor(isa, dtype) != nullptr) {
+    if (LoopsFor(isa, dtype).rows != nullptr) {
       isas.push_back(isa);
     } else {
       std::printf("note: %s is not supported here: not compared\n",
@@ -154,11 +154,11 @@ TEST_P(RunKernelsTest, EveryInstructionSetGivesTheSameBits) {
             if (calls > s.rows) continue;
             const bool tail = bins != 0;
             const Result expected =
-                RunLoop(ScalarRowsFn(dtype), data, s.rows, s.heads, s.length,
-                        bins, tail, calls);
+                RunLoop(ScalarLoops(dtype).rows, data, s.rows, s.heads,
+                        s.length, bins, tail, calls);
             for (CpuIsa isa : isas) {
               const Result actual =
-                  RunLoop(RowsFnFor(isa, dtype), data, s.rows, s.heads,
+                  RunLoop(LoopsFor(isa, dtype).rows, data, s.rows, s.heads,
                           s.length, bins, tail, calls);
               ExpectSameBits(expected, actual,
                              std::string(CpuIsaName(isa)) + " rows " +
@@ -218,9 +218,9 @@ TEST_P(RunKernelsTest, SpansGiveTheSameBitsOnEveryInstructionSet) {
         }
         return r;
       };
-      const Result expected = run_spans(ScalarSpansFn(dtype));
+      const Result expected = run_spans(ScalarLoops(dtype).spans);
       for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-        SpansFn fn = SpansFnFor(isa, dtype);
+        SpansFn fn = LoopsFor(isa, dtype).spans;
         if (fn == nullptr) continue;
         ExpectSameBits(expected, run_spans(fn),
                        std::string(CpuIsaName(isa)) + " spans, length " +
@@ -262,9 +262,9 @@ TEST_P(RunKernelsTest, LaneSumsOverflowingOnlyWhenAddedStayExact) {
     sum_squares += x * x;
   }
   std::vector<std::pair<std::string, RowsFn>> fns = {
-      {"scalar", ScalarRowsFn(dtype)}};
+      {"scalar", ScalarLoops(dtype).rows}};
   for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-    if (RowsFn fn = RowsFnFor(isa, dtype)) {
+    if (RowsFn fn = LoopsFor(isa, dtype).rows) {
       fns.emplace_back(std::string(CpuIsaName(isa)), fn);
     }
   }
@@ -309,7 +309,7 @@ TEST(RunKernelsBf16Test, EveryBitPatternLandsInItsBin) {
         if (std::isfinite(x)) ++expected[HistogramBin(x, log2)];
       }
       for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-        RowsFn fn = RowsFnFor(isa, DType::kBf16);
+        RowsFn fn = LoopsFor(isa, DType::kBf16).rows;
         if (fn == nullptr) continue;
         // 16 rows x 4 heads of runs of size / 64 values, in 4 calls.
         const Result r =
@@ -342,7 +342,7 @@ TEST(CpuIsaTest, NamesRoundTripAndUnknownIsRejected) {
   // exists.
   EXPECT_LE(static_cast<int>(ActiveCpuIsa()),
             static_cast<int>(SupportedCpuIsa()));
-  EXPECT_NE(RowsFnFor(ActiveCpuIsa(), DType::kBf16), nullptr);
+  EXPECT_NE(LoopsFor(ActiveCpuIsa(), DType::kBf16).rows, nullptr);
   std::printf("supported: %s, active: %s\n",
               std::string(CpuIsaName(SupportedCpuIsa())).c_str(),
               std::string(CpuIsaName(ActiveCpuIsa())).c_str());
