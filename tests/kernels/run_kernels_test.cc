@@ -6,9 +6,11 @@
 // runs. ISAs the machine lacks are skipped with a message.
 #include "kernels/cpu/run_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -324,6 +326,54 @@ TEST(RunKernelsBf16Test, EveryBitPatternLandsInItsBin) {
         EXPECT_EQ(total, expected)
             << CpuIsaName(isa) << ", " << bins_per_octave
             << " bins per octave, " << patterns->size() << " patterns";
+      }
+    }
+  }
+}
+
+// The tail against a full sort of everything offered: random values with
+// many duplicates (small integers), started from empty, partial and full
+// tails, in offers of every length around the capacity and twice it.
+TEST(TailKeeperTest, KeepsTheLargestOfEverythingOffered) {
+  uint64_t state = 0x2545f4914f6cdd1dull;
+  auto next = [&state] {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+  };
+  for (size_t start :
+       {size_t{0}, size_t{1}, size_t{100}, size_t{kTailCapacity}}) {
+    for (size_t offers :
+         {size_t{0}, size_t{1}, size_t{255}, size_t{256}, size_t{257},
+          size_t{511}, size_t{512}, size_t{513}, size_t{5000}}) {
+      for (bool duplicates : {false, true}) {
+        auto value = [&] {
+          return duplicates ? static_cast<float>(next() % 50)
+                            : static_cast<float>(next() >> 40) * 0x1p-20f;
+        };
+        std::vector<float> all;
+        std::vector<float> initial;
+        for (size_t i = 0; i < start; ++i) initial.push_back(value());
+        std::sort(initial.begin(), initial.end(), std::greater<float>());
+        all = initial;
+        TailKeeper keeper(initial);
+        for (size_t i = 0; i < offers; ++i) {
+          const float v = value();
+          all.push_back(v);
+          // Every value above the threshold is offered (as the loops do);
+          // the rest cannot be among the largest.
+          if (v > keeper.threshold()) keeper.Offer(v);
+        }
+        std::sort(all.begin(), all.end(), std::greater<float>());
+        if (all.size() > kTailCapacity) all.resize(kTailCapacity);
+        std::vector<float> kept;
+        keeper.StoreSortedDescending(&kept);
+        EXPECT_EQ(kept, all) << "start " << start << " offers " << offers
+                             << " duplicates " << duplicates;
+        if (all.size() == kTailCapacity) {
+          EXPECT_LE(keeper.threshold(), all.back());
+        }
       }
     }
   }
