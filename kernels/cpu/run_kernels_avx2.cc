@@ -166,20 +166,16 @@ HeadState* HeadStates(size_t heads) {
   return scratch.data();
 }
 
-float HorizontalMin(__m256 v) {
+// The eight lanes of v folded with `op` (std::min or std::max).
+float Horizontal(__m256 v, const float& (*op)(const float&, const float&)) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, v);
   float m = lanes[0];
-  for (float x : lanes) m = std::min(m, x);
+  for (float x : lanes) m = op(m, x);
   return m;
 }
-float HorizontalMax(__m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  float m = lanes[0];
-  for (float x : lanes) m = std::max(m, x);
-  return m;
-}
+float HorizontalMin(__m256 v) { return Horizontal(v, &std::min<float>); }
+float HorizontalMax(__m256 v) { return Horizontal(v, &std::max<float>); }
 double HorizontalSum(__m256d a, __m256d b) {
   alignas(32) double d[4];
   _mm256_store_pd(d, _mm256_add_pd(a, b));
@@ -527,22 +523,11 @@ struct V {
     __m256 lo;
     __m256 hi;
   };
-  struct Bins {
-    __m128i shift;
-    __m256i offset;
-    __m256i overflow;
-    __m256i lane;
-  };
+  using I = __m256i;  // the integer register of MakeBins
 
-  static Bins MakeBins(uint32_t log2_bins) {
-    const internal::BinConstants c = internal::BinConstantsFor(log2_bins);
-    Bins b;
-    b.shift = _mm_cvtsi32_si128(c.shift);
-    b.offset = _mm256_set1_epi32(c.offset);
-    b.overflow = _mm256_set1_epi32(c.overflow);
-    b.lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return b;
-  }
+  static __m256i SetI(int x) { return _mm256_set1_epi32(x); }
+  // Lane k of a register holds k % kInterleave.
+  static __m256i LaneIds() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
   static __attribute__((always_inline)) F ZeroF() {
     return F{_mm256_setzero_ps(), _mm256_setzero_ps()};
   }
@@ -654,7 +639,7 @@ struct V {
   static float MaxLane(F x) { return HorizontalMax(_mm256_max_ps(x.lo, x.hi)); }
   // Counts 16 values into the sub-histograms; the indices leave the
   // registers through 64-bit extracts (see Avx2RowsGroup).
-  template <int kDelta>
+  template <int kDelta, typename Bins>
   static __attribute__((always_inline)) void Count(F x, const Bins& b,
                                                    uint32_t* sub) {
     const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);

@@ -43,23 +43,14 @@ namespace {
 struct V {
   static constexpr size_t kInterleave = 8;
   using F = __m512;
-  struct Bins {
-    __m128i shift;
-    __m512i offset;
-    __m512i overflow;
-    __m512i lane;
-  };
+  using I = __m512i;  // the integer register of MakeBins
 
-  static Bins MakeBins(uint32_t log2_bins) {
-    const internal::BinConstants c = internal::BinConstantsFor(log2_bins);
-    Bins b;
-    b.shift = _mm_cvtsi32_si128(c.shift);
-    b.offset = _mm512_set1_epi32(c.offset);
-    b.overflow = _mm512_set1_epi32(c.overflow);
-    b.lane = _mm512_and_si512(
+  static __m512i SetI(int x) { return _mm512_set1_epi32(x); }
+  // Lane k of a register holds k % kInterleave.
+  static __m512i LaneIds() {
+    return _mm512_and_si512(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(kInterleave - 1));
-    return b;
   }
   static __attribute__((always_inline)) F ZeroF() {
     return _mm512_setzero_ps();
@@ -146,7 +137,7 @@ struct V {
   // the register through 64-bit extracts: read back from memory, a vector
   // store feeds scalar loads slowly, and the loads of the indices then wait
   // on the counters' stores.
-  template <int kDelta>
+  template <int kDelta, typename Bins>
   static __attribute__((always_inline)) void Count(F x, const Bins& b,
                                                    uint32_t* sub) {
     const __m512i abs_bits =
