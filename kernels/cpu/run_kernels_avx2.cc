@@ -280,27 +280,13 @@ struct FastConstants {
   __m128i mantissa_shift;
 };
 
-// Adds kDelta to the 8 counters whose indices are the lanes of `slot`.
-// The indices leave the vector through 64-bit extracts: a 32-byte store read
-// back as 4-byte loads defeats store-to-load forwarding. (Named scalars, not
-// an array: an array went through the stack.)
+// Adds kDelta to the 8 counters whose indices are the lanes of `slot`
+// (internal::AddToSlots4 per half).
 template <int kDelta>
 __attribute__((always_inline)) inline void AddToSlots(__m256i slot,
                                                       uint32_t* sub) {
-  const __m128i slot_lo = _mm256_castsi256_si128(slot);
-  const __m128i slot_hi = _mm256_extracti128_si256(slot, 1);
-  const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_lo));
-  const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(slot_lo, 1));
-  const auto p2 = static_cast<uint64_t>(_mm_cvtsi128_si64(slot_hi));
-  const auto p3 = static_cast<uint64_t>(_mm_extract_epi64(slot_hi, 1));
-  sub[static_cast<uint32_t>(p0)] += kDelta;
-  sub[p0 >> 32] += kDelta;
-  sub[static_cast<uint32_t>(p1)] += kDelta;
-  sub[p1 >> 32] += kDelta;
-  sub[static_cast<uint32_t>(p2)] += kDelta;
-  sub[p2 >> 32] += kDelta;
-  sub[static_cast<uint32_t>(p3)] += kDelta;
-  sub[p3 >> 32] += kDelta;
+  internal::AddToSlots4<kDelta>(_mm256_castsi256_si128(slot), sub);
+  internal::AddToSlots4<kDelta>(_mm256_extracti128_si256(slot, 1), sub);
 }
 
 // Counts the 8 lanes of `abs_bits` (|x| as bits; non-finite ones into the

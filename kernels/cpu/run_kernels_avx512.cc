@@ -149,20 +149,10 @@ struct V {
     bin = _mm512_min_epu32(bin, abs_bits);
     const __m512i slot = _mm512_or_si512(
         _mm512_slli_epi32(bin, __builtin_ctz(kInterleave)), b.lane);
-    CountQuarter<kDelta>(_mm512_castsi512_si128(slot), sub);
-    CountQuarter<kDelta>(_mm512_extracti32x4_epi32(slot, 1), sub);
-    CountQuarter<kDelta>(_mm512_extracti32x4_epi32(slot, 2), sub);
-    CountQuarter<kDelta>(_mm512_extracti32x4_epi32(slot, 3), sub);
-  }
-  template <int kDelta>
-  static __attribute__((always_inline)) void CountQuarter(__m128i slots,
-                                                          uint32_t* sub) {
-    const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(slots));
-    const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(slots, 1));
-    sub[static_cast<uint32_t>(p0)] += kDelta;
-    sub[p0 >> 32] += kDelta;
-    sub[static_cast<uint32_t>(p1)] += kDelta;
-    sub[p1 >> 32] += kDelta;
+    internal::AddToSlots4<kDelta>(_mm512_castsi512_si128(slot), sub);
+    internal::AddToSlots4<kDelta>(_mm512_extracti32x4_epi32(slot, 1), sub);
+    internal::AddToSlots4<kDelta>(_mm512_extracti32x4_epi32(slot, 2), sub);
+    internal::AddToSlots4<kDelta>(_mm512_extracti32x4_epi32(slot, 3), sub);
   }
 };
 

@@ -33,6 +33,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "kernels/cpu/run_kernels.h"
 #include "kernels/element_math.h"
 #include "kernels/types.h"
@@ -92,6 +96,23 @@ inline BinConstants BinConstantsFor(uint32_t log2_bins) {
                            kFirstOctaveBin),
           static_cast<int>(HistogramBinCount(log2_bins) - 1)};
 }
+
+#if defined(__x86_64__)
+// Adds kDelta to the four counters whose indices are the 32-bit lanes of
+// `slots` (the vector loops' histogram counting). The indices leave the
+// register through 64-bit extracts: stored and read back as 4-byte loads
+// they defeat store-to-load forwarding.
+template <int kDelta>
+__attribute__((always_inline, target("sse4.1"))) inline void AddToSlots4(
+    __m128i slots, uint32_t* sub) {
+  const auto p0 = static_cast<uint64_t>(_mm_cvtsi128_si64(slots));
+  const auto p1 = static_cast<uint64_t>(_mm_extract_epi64(slots, 1));
+  sub[static_cast<uint32_t>(p0)] += kDelta;
+  sub[p0 >> 32] += kDelta;
+  sub[static_cast<uint32_t>(p1)] += kDelta;
+  sub[p1 >> 32] += kDelta;
+}
+#endif
 
 // True when the float is NaN or +-Inf.
 inline bool NonFiniteBits(uint32_t bits) {
