@@ -484,19 +484,25 @@ int main(int argc, char** argv) {
           shm_seconds, inplace_seconds;
       int64_t worker_faults = 0, sink_faults = 0, raw_faults = 0,
               shm_faults = 0;
-      for (int rep = 0; rep < reps; ++rep) {
-        // A fresh session per run so every chunk is applied, not a duplicate.
-        const std::string session = "bench-" + std::to_string(run++);
-        kvcal::Geometry geometry{kLayers,  kHeads, kHeads,
-                                 kHeadDim, bins,   0b111};
+      // A fresh session per run so every chunk is applied, not a duplicate;
+      // its name, or "" (said on stderr) when the worker refuses it.
+      const kvcal::Geometry geometry{kLayers,  kHeads, kHeads,
+                                     kHeadDim, bins,   0b111};
+      auto new_session = [&]() -> std::string {
+        std::string name = "bench-" + std::to_string(run++);
         if (!(*worker)
                  ->service()
                  .registry()
-                 .Create(kvcal::service::kDefaultTenant, session, geometry)
+                 .Create(kvcal::service::kDefaultTenant, name, geometry)
                  .ok()) {
-          std::fprintf(stderr, "cannot create session\n");
-          return false;
+          std::fprintf(stderr, "cannot create session %s\n", name.c_str());
+          return "";
         }
+        return name;
+      };
+      for (int rep = 0; rep < reps; ++rep) {
+        const std::string session = new_session();
+        if (session.empty()) return false;
         int64_t before = MinorFaults();
         sink_seconds.push_back(
             Run(sink_address, session, streams, total, payloads));
@@ -509,31 +515,16 @@ int main(int argc, char** argv) {
         worker_seconds.push_back(
             Run(worker_address, session, streams, total, payloads));
         worker_faults += MinorFaults() - before;
-        const std::string shm_session = "bench-" + std::to_string(run++);
-        if (!(*worker)
-                 ->service()
-                 .registry()
-                 .Create(kvcal::service::kDefaultTenant, shm_session, geometry)
-                 .ok()) {
-          std::fprintf(stderr, "cannot create session\n");
-          return false;
-        }
+        const std::string shm_session = new_session();
+        if (shm_session.empty()) return false;
         before = MinorFaults();
         shm_seconds.push_back(RunShm(worker_address, shm_session, streams,
                                      total, payloads,
                                      static_cast<size_t>(shm_window),
                                      /*copy=*/true));
         shm_faults += MinorFaults() - before;
-        const std::string inplace_session = "bench-" + std::to_string(run++);
-        if (!(*worker)
-                 ->service()
-                 .registry()
-                 .Create(kvcal::service::kDefaultTenant, inplace_session,
-                         geometry)
-                 .ok()) {
-          std::fprintf(stderr, "cannot create session\n");
-          return false;
-        }
+        const std::string inplace_session = new_session();
+        if (inplace_session.empty()) return false;
         inplace_seconds.push_back(RunShm(worker_address, inplace_session,
                                          streams, total, payloads,
                                          static_cast<size_t>(shm_window),
