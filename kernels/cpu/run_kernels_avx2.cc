@@ -166,16 +166,21 @@ HeadState* HeadStates(size_t heads) {
   return scratch.data();
 }
 
-// The eight lanes of v folded with `op` (std::min or std::max).
-float Horizontal(__m256 v, const float& (*op)(const float&, const float&)) {
+// The eight lanes of v folded with `op`.
+template <typename Op>
+float Horizontal(__m256 v, Op op) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, v);
   float m = lanes[0];
   for (float x : lanes) m = op(m, x);
   return m;
 }
-float HorizontalMin(__m256 v) { return Horizontal(v, &std::min<float>); }
-float HorizontalMax(__m256 v) { return Horizontal(v, &std::max<float>); }
+float HorizontalMin(__m256 v) {
+  return Horizontal(v, [](float a, float b) { return std::min(a, b); });
+}
+float HorizontalMax(__m256 v) {
+  return Horizontal(v, [](float a, float b) { return std::max(a, b); });
+}
 double HorizontalSum(__m256d a, __m256d b) {
   alignas(32) double d[4];
   _mm256_store_pd(d, _mm256_add_pd(a, b));
