@@ -24,25 +24,42 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/element_math.h"
 #include "kernels/types.h"
 
 namespace kvcal::cpu {
 
-// Keeps the kTailCapacity largest values offered, as a min-heap.
+// Keeps the kTailCapacity largest values offered. Offers above the threshold
+// are appended to a buffer; when it is full, a selection keeps the
+// kTailCapacity largest and the threshold rises to the smallest of them. A
+// fresh tail (a chunk's first values all enter) costs an append per value
+// and a selection per kBufferCapacity - kTailCapacity of them, where a heap
+// paid a pop and a push per value.
 class TailKeeper {
  public:
   // Starts from `sorted_descending` (a HeadStatistics::tail).
   explicit TailKeeper(const std::vector<float>& sorted_descending);
-  // A value must be greater than this to change the tail (-1 while the tail
-  // is not full, so that every |x| >= 0 enters).
+  // A value must be greater than this to be kept (-1 while fewer than
+  // kTailCapacity were offered, so that every |x| >= 0 enters). It never
+  // falls; between selections it may lie below the kept values' smallest.
   float threshold() const { return threshold_; }
-  void Offer(float abs_value);
+  void Offer(float abs_value) {
+    if (!(abs_value > threshold_)) return;
+    values_.push_back(abs_value);
+    changed_ = true;
+    if (values_.size() == kBufferCapacity) Select();
+  }
   // Writes the kept values, sorted descending.
   void StoreSortedDescending(std::vector<float>* out);
 
  private:
-  std::vector<float> heap_;  // min-heap under std::greater
+  static constexpr size_t kBufferCapacity = 4 * kTailCapacity;
+  // Keeps the kTailCapacity largest of values_ and raises the threshold.
+  void Select();
+
+  std::vector<float> values_;  // sorted descending until changed_
   float threshold_ = -1.0f;
+  bool changed_ = false;
 };
 
 // What one head saw. min and max are canonical (-0.0 counts as +0.0).

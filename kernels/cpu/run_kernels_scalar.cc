@@ -10,29 +10,27 @@
 
 namespace kvcal::cpu {
 
-TailKeeper::TailKeeper(const std::vector<float>& sorted_descending)
-    : heap_(sorted_descending) {
-  std::make_heap(heap_.begin(), heap_.end(), std::greater<float>());
-  if (heap_.size() >= kTailCapacity) threshold_ = heap_.front();
+TailKeeper::TailKeeper(const std::vector<float>& sorted_descending) {
+  values_.reserve(kBufferCapacity);
+  values_.assign(sorted_descending.begin(), sorted_descending.end());
+  if (values_.size() > kTailCapacity) Select();
+  if (values_.size() >= kTailCapacity) threshold_ = values_[kTailCapacity - 1];
 }
 
-void TailKeeper::Offer(float abs_value) {
-  if (heap_.size() < kTailCapacity) {
-    heap_.push_back(abs_value);
-    std::push_heap(heap_.begin(), heap_.end(), std::greater<float>());
-    if (heap_.size() == kTailCapacity) threshold_ = heap_.front();
-    return;
-  }
-  if (!(abs_value > heap_.front())) return;
-  std::pop_heap(heap_.begin(), heap_.end(), std::greater<float>());
-  heap_.back() = abs_value;
-  std::push_heap(heap_.begin(), heap_.end(), std::greater<float>());
-  threshold_ = heap_.front();
+void TailKeeper::Select() {
+  std::nth_element(values_.begin(), values_.begin() + (kTailCapacity - 1),
+                   values_.end(), std::greater<float>());
+  values_.resize(kTailCapacity);
+  threshold_ = values_[kTailCapacity - 1];
 }
 
 void TailKeeper::StoreSortedDescending(std::vector<float>* out) {
-  out->assign(heap_.begin(), heap_.end());
-  std::sort(out->begin(), out->end(), std::greater<float>());
+  if (changed_) {
+    if (values_.size() > kTailCapacity) Select();
+    std::sort(values_.begin(), values_.end(), std::greater<float>());
+    changed_ = false;
+  }
+  out->assign(values_.begin(), values_.end());
 }
 
 namespace {

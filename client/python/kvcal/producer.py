@@ -112,14 +112,14 @@ class _Payload:
         self._event = event
         self._lock = threading.Lock()
 
-    def view(self) -> memoryview:
+    def bytes(self) -> bytes:
         with self._lock:
             if self._data is None:
                 if self._event is not None:
                     self._event.synchronize()
                 self._data = _torch_bytes(self._pinned)
                 self._pinned = self._event = None
-            return memoryview(self._data)
+            return self._data
 
 
 # RegisterSharedMemory codes after which a producer sends in-band instead
@@ -229,11 +229,14 @@ class _Chunk:
             batch=self.batch, layer=self.layer, role=self.role, dtype=self.dtype,
             layout=self.layout, shape=self.shape, head_offset=self.head_offset,
             holdout=self.holdout)
-        data = self.payload.view()[self.begin:self.end]
+        whole = self.payload.bytes()
+        data = memoryview(whole)[self.begin:self.end]
         if ring is not None and len(data) <= ring.slot_bytes:
             # The window keeps the slot's previous chunk (sequence - slots)
             # acknowledged before this one is sent.
             request.shared_memory.CopyFrom(ring.put(self.sequence, data))
+        elif self.begin == 0 and self.end == len(whole):
+            request.data = whole  # a chunk of the whole tensor: no copy here
         else:
             request.data = bytes(data)
         return request
@@ -242,9 +245,11 @@ class _Chunk:
 def _torch_bytes(tensor) -> bytes:
     import torch
 
+    # numpy's tobytes gathers a strided view in its one copy (transformers'
+    # q, k and v are transposed views): no contiguous() copy before it.
     if tensor.dtype in (torch.bfloat16, torch.float16):
-        return tensor.contiguous().view(torch.int16).numpy().tobytes()
-    return tensor.contiguous().numpy().tobytes()
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy().tobytes()
 
 
 def _dtype_of_numpy(dtype: np.dtype) -> int:
