@@ -6,6 +6,12 @@
 #include <grpcpp/server_builder.h>
 #include <unistd.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -279,6 +285,19 @@ void Worker::Shutdown(std::chrono::milliseconds grace) {
 Worker::~Worker() {
   if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
   StopWatchingDevice();
+}
+
+void RetainFreedHeapMemory() {
+#if defined(__GLIBC__)
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr ||
+      std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+      (tunables != nullptr && std::strstr(tunables, "malloc.") != nullptr)) {
+    return;
+  }
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 128 << 20);
+#endif
 }
 
 }  // namespace kvcal::service

@@ -125,6 +125,7 @@ int main(int argc, char** argv) {
   // the process dies, so a worker log says where it went wrong.
   absl::InitializeSymbolizer(argv[0]);
   absl::InstallFailureSignalHandler(absl::FailureSignalHandlerOptions());
+  kvcal::service::RetainFreedHeapMemory();
   Flags flags;
   CLI::App app{"kvcal-worker: gRPC calibration worker (kvcal.v1.Calibration)"};
   AddFlags(app, flags);

@@ -373,6 +373,8 @@ double RunShm(const std::string& address, const std::string& session,
 }  // namespace
 
 int main(int argc, char** argv) {
+  // As kvcal-worker's main() does (the sinks in this process gain as well).
+  kvcal::service::RetainFreedHeapMemory();
   int chunks = 256;
   // 16 bins per octave (what percentile and MSE need), then none (the
   // transport alone: what shared memory changes).
