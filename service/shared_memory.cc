@@ -107,10 +107,13 @@ absl::StatusOr<std::unique_ptr<SystemMapping>> SystemMapping::Open(
     return absl::InvalidArgumentError(absl::StrCat(
         "shared memory '", name, "': byte_size ", byte_size, " is too large"));
   }
-  // MAP_POPULATE: the page tables are filled now, not by a fault per page
-  // on the first chunk that reads it.
+  // No MAP_POPULATE: a producer's ring is mostly pages its chunks never use
+  // (the Python producer allocates a slot's pages as its chunks need them),
+  // and populating would allocate and map all of them at registration (~30
+  // ms for a 64 MiB ring). A page faults in once, when a chunk first reads
+  // it.
   void* data = mmap(nullptr, static_cast<size_t>(byte_size), PROT_READ,
-                    MAP_SHARED | MAP_POPULATE, fd, 0);
+                    MAP_SHARED, fd, 0);
   if (data == MAP_FAILED) {
     const int error = errno;
     close(fd);

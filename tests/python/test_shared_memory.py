@@ -3,6 +3,8 @@ against a real worker on this host; the same statistics as in-band, exactly
 once through a worker restart, and in-band when the worker cannot use it."""
 import glob
 import logging
+import mmap
+import os
 import signal
 import threading
 import time
@@ -11,7 +13,7 @@ import numpy as np
 
 import kvcal
 from kvcal.v1 import pb
-from test_resume import GEOMETRY, reference_scales, stream
+from test_resume import GEOMETRY, activations, reference_scales, stream
 
 
 def regions(client):
@@ -118,11 +120,68 @@ def test_shared_memory_with_several_workers(make_worker):
         assert regions(w) == []
 
 
-def test_shared_memory_that_cannot_be_allocated_falls_back(worker, monkeypatch):
-    # A full /dev/shm: the ring is refused when it is created (never a SIGBUS
-    # on a later write) and the chunks go in-band.
+def test_ring_pages_are_allocated_as_chunks_need_them(worker):
+    # Slots of 1 MiB for chunks of a few KiB: the object holds the pages the
+    # chunks used, not window x chunk_bytes.
+    client = kvcal.Client(worker.target)
+    client.create_session(geometry=GEOMETRY, session_id="py-lazy")
+    with kvcal.Producer(client, chunk_bytes=1 << 20, window=4, shared_memory=True) as producer:
+        largest = 0
+        for b, layer, role, x in activations(nbatches=3):
+            producer.put(layer, role, x, batch=b)
+            largest = max(largest, x.nbytes)
+        producer.flush()
+        path = "/dev/shm" + producer._ring.name
+        allocated = os.stat(path).st_blocks * 512
+        assert os.path.getsize(path) == 4 << 20
+        assert 0 < allocated <= 4 * (largest + mmap.PAGESIZE), allocated
+    assert producer.shared_memory
+    assert client.status().chunks_applied == producer.last_sequence
+    client.delete()
+
+
+def test_shared_memory_full_mid_stream_sends_the_rest_in_band(worker, monkeypatch, caplog):
+    # /dev/shm fills up while streaming: the chunks before went by reference,
+    # the rest go in-band, and the statistics are those of in-band.
     import errno
-    import os
+
+    client = kvcal.Client(worker.target)
+    client.create_session(geometry=GEOMETRY, session_id="py-inband")
+    with kvcal.Producer(client, "py-inband", chunk_bytes=8 << 10) as producer:
+        stream(producer)
+    calls = []
+    real = os.posix_fallocate
+
+    def fills_up(fd, offset, length):
+        calls.append(length)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fills_up)
+    before = set(glob.glob("/dev/shm/kvcal-py-*"))
+    client.create_session(geometry=GEOMETRY, session_id="py-shm")
+    with caplog.at_level(logging.WARNING, logger="kvcal"):
+        with kvcal.Producer(client, "py-shm", chunk_bytes=8 << 10, window=8,
+                            shared_memory=True) as producer:
+            stream(producer)
+    assert len(calls) == 4, "three slots allocated, the fourth refused"
+    assert not producer.shared_memory
+    assert "No space left" in producer.shared_memory_fallback
+    assert "in-band" in caplog.text
+    assert set(glob.glob("/dev/shm/kvcal-py-*")) == before, "the object is unlinked"
+    assert regions(client) == []
+    assert client.status("py-shm").chunks_applied == producer.last_sequence
+    assert exported_statistics(client, "py-shm") == exported_statistics(client, "py-inband")
+    client.delete("py-shm")
+    client.delete("py-inband")
+
+
+def test_shared_memory_that_cannot_be_allocated_falls_back(worker, monkeypatch):
+    # A full /dev/shm from the start: the first chunk's slot cannot be
+    # allocated (an error before the write, never a SIGBUS on it) and the
+    # chunks go in-band.
+    import errno
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")

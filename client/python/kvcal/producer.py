@@ -60,6 +60,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
+import os
 import threading
 import time
 from typing import Any, Deque, List, Optional, Tuple
@@ -137,12 +139,15 @@ def _host_boot_id() -> str:
         return ""
 
 
+class _SharedMemoryFull(OSError):
+    """/dev/shm has no room for the pages of a ring slot."""
+
+
 class _SharedMemoryRing:
     """A POSIX shared-memory object of `slots` slots, registered with one
     worker at a time."""
 
     def __init__(self, slots: int, slot_bytes: int):
-        import os
         import secrets
         from multiprocessing import shared_memory
 
@@ -151,17 +156,13 @@ class _SharedMemoryRing:
         name = f"kvcal-py-{os.getpid()}-{secrets.token_hex(6)}"
         self._shm = shared_memory.SharedMemory(name=name, create=True,
                                                size=self.slots * self.slot_bytes)
-        fd = getattr(self._shm, "_fd", -1)  # POSIX
-        try:
-            # Allocate the pages now: a full /dev/shm (64 MiB in a default
-            # container) is an OSError here, not a SIGBUS on a later write.
-            if fd >= 0:
-                os.posix_fallocate(fd, 0, self.slots * self.slot_bytes)
-        except OSError as e:
-            self._shm.close()
-            self._shm.unlink()
-            raise OSError(f"cannot allocate {self.slots * self.slot_bytes} bytes of shared "
-                          f"memory for {self.slots} slots in /dev/shm: {e}") from None
+        self._fd = getattr(self._shm, "_fd", -1)  # POSIX
+        # Bytes allocated from each slot's start: a slot's pages are
+        # allocated when a chunk first needs them (put), so a ring of
+        # window x chunk_bytes costs what its chunks use, not its size
+        # (fallocate of 16 x 4 MiB up front, and the worker then mapping
+        # every page, cost ~30 ms per producer).
+        self._allocated = [0] * self.slots
         self.name = "/" + name
         self.region_id = 0
         self._client = None
@@ -193,9 +194,24 @@ class _SharedMemoryRing:
         self.region_id = 0
 
     def put(self, sequence: int, data: memoryview) -> pb.SharedMemoryReference:
-        """Copies `data` into the slot of `sequence`; the reference to it."""
-        offset = ((sequence - 1) % self.slots) * self.slot_bytes
+        """Copies `data` into the slot of `sequence`; the reference to it.
+        Raises _SharedMemoryFull when /dev/shm has no room for its pages."""
+        slot = (sequence - 1) % self.slots
+        offset = slot * self.slot_bytes
         n = len(data)
+        have = self._allocated[slot]
+        if n > have and self._fd >= 0:
+            # Allocate the pages before writing them: a full /dev/shm (64 MiB
+            # in a default container) is an error here, not a SIGBUS on the
+            # write below.
+            want = min(self.slot_bytes, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
+            try:
+                os.posix_fallocate(self._fd, offset + have, want - have)
+            except OSError as e:
+                raise _SharedMemoryFull(
+                    f"cannot allocate {want - have} bytes of shared memory in /dev/shm for "
+                    f"slot {slot} of {self.name}: {e}") from None
+            self._allocated[slot] = want
         self._shm.buf[offset:offset + n] = data
         return pb.SharedMemoryReference(region_id=self.region_id, offset=offset, byte_size=n)
 
@@ -376,6 +392,7 @@ class Producer:
         # shared_memory=True: the ring, until the worker turns out unable to
         # use it (then None and the reason in shared_memory_fallback).
         self._ring: Optional[_SharedMemoryRing] = None
+        self._retired_ring: Optional[_SharedMemoryRing] = None  # see _shm_fall_back
         self._shm_requested = bool(shared_memory)
         self.shared_memory_fallback: Optional[str] = None
         if shared_memory:
@@ -625,18 +642,25 @@ class Producer:
         # worker that restarts before its first snapshot still gets them.
         return self._acked if self.keep_until_durable is False else self._durable
 
-    def _shm_fall_back(self, why: str) -> None:
+    def _shm_fall_back(self, why: str, in_flight: bool = False) -> None:
+        """In-band from now on. in_flight: chunks sent by reference may still
+        be on their way to the worker, so the ring stays registered (and its
+        bytes in place) until close."""
         if self._ring is not None:
-            self._ring.close()
+            if in_flight:
+                self._retired_ring = self._ring
+            else:
+                self._ring.close()
             self._ring = None
         self.shared_memory_fallback = why
         log.warning("kvcal: producer %s: shared memory not used, sending chunks in-band (%s)",
                     self.producer_id, why)
 
     def _close_ring(self) -> None:
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
+        for ring in (self._ring, self._retired_ring):
+            if ring is not None:
+                ring.close()
+        self._ring = self._retired_ring = None
 
     def _register_ring(self) -> None:
         """(Re)registers the ring with the worker before a stream; falls back
@@ -782,7 +806,12 @@ class Producer:
                             return
                         self._cv.wait(0.5)
                 try:
-                    request = chunk.request(self.session_id, self.producer_id, self._ring)
+                    try:
+                        request = chunk.request(self.session_id, self.producer_id, self._ring)
+                    except _SharedMemoryFull as e:
+                        # This chunk and the rest in-band.
+                        self._shm_fall_back(str(e), in_flight=True)
+                        request = chunk.request(self.session_id, self.producer_id, None)
                     if self.client.shard_worker_ids:
                         request.shard_worker_ids.extend(self.client.shard_worker_ids)
                 except BaseException as e:  # e.g. a failed device copy
