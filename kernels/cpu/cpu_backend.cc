@@ -159,15 +159,17 @@ class CpuBackend final : public StatisticsBackend {
     // f32 in pieces is gathered (one copy): its loops keep no state across
     // calls, so in place its sums would depend on where the pieces were cut.
     ChunkView gathered;
-    std::vector<std::byte> gathered_bytes;
+    // Not a std::vector: resize() would zero the bytes CopyBytes overwrites.
+    std::unique_ptr<std::byte[]> gathered_bytes;
     if (in.dtype == DType::kF32 && !in.pieces.empty()) {
       gathered = in;
       gathered.pieces.clear();
-      gathered_bytes.resize(in.byte_size());
-      in.CopyBytes(0, gathered_bytes.size(), gathered_bytes.data());
-      gathered.data = absl::MakeConstSpan(gathered_bytes);
+      const size_t size = in.byte_size();
+      gathered_bytes.reset(new std::byte[size]);
+      in.CopyBytes(0, size, gathered_bytes.get());
+      gathered.data = absl::MakeConstSpan(gathered_bytes.get(), size);
     }
-    const ChunkView& chunk = gathered_bytes.empty() ? in : gathered;
+    const ChunkView& chunk = gathered_bytes == nullptr ? in : gathered;
     KVCAL_ASSIGN_OR_RETURN(ChunkExtent extent,
                            ValidateChunk(stats_.geometry(), chunk));
     if (extent.elements() == 0) return absl::OkStatus();
