@@ -114,7 +114,7 @@ class _Payload:
         self._event = event
         self._lock = threading.Lock()
 
-    def bytes(self) -> bytes:
+    def whole(self) -> bytes:
         with self._lock:
             if self._data is None:
                 if self._event is not None:
@@ -245,7 +245,7 @@ class _Chunk:
             batch=self.batch, layer=self.layer, role=self.role, dtype=self.dtype,
             layout=self.layout, shape=self.shape, head_offset=self.head_offset,
             holdout=self.holdout)
-        whole = self.payload.bytes()
+        whole = self.payload.whole()
         data = memoryview(whole)[self.begin:self.end]
         if ring is not None and len(data) <= ring.slot_bytes:
             # The window keeps the slot's previous chunk (sequence - slots)
