@@ -159,13 +159,13 @@ class CpuBackend final : public StatisticsBackend {
     // f32 in pieces is gathered (one copy): its loops keep no state across
     // calls, so in place its sums would depend on where the pieces were cut.
     ChunkView gathered;
-    // Not a std::vector: resize() would zero the bytes CopyBytes overwrites.
+    // For overwrite: not zeroed first, as a std::vector's resize() would be.
     std::unique_ptr<std::byte[]> gathered_bytes;
     if (in.dtype == DType::kF32 && !in.pieces.empty()) {
       gathered = in;
       gathered.pieces.clear();
       const size_t size = in.byte_size();
-      gathered_bytes.reset(new std::byte[size]);
+      gathered_bytes = std::make_unique_for_overwrite<std::byte[]>(size);
       in.CopyBytes(0, size, gathered_bytes.get());
       gathered.data = absl::MakeConstSpan(gathered_bytes.get(), size);
     }
