@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +23,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "gtest/gtest.h"
 
 namespace kvcal::testing {
 
@@ -76,10 +79,20 @@ class WorkerProcess {
     error_ = "worker did not write its port file in time: " + ReadLog();
   }
 
+  // The worker's log goes with its directory; when the test has failed, it
+  // is printed first (a sanitizer report or an error in the worker is often
+  // the reason, and CI keeps nothing else).
   ~WorkerProcess() {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
+    }
+    if (::testing::Test::HasFailure()) {
+      std::string log = ReadLog();
+      constexpr size_t kTail = 16 << 10;
+      if (log.size() > kTail) log = "[...]\n" + log.substr(log.size() - kTail);
+      std::fprintf(stderr, "--- log of the worker in %s ---\n%s--- end ---\n",
+                   dir_.c_str(), log.c_str());
     }
     std::error_code ignored;
     std::filesystem::remove_all(dir_, ignored);
