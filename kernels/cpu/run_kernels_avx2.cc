@@ -547,6 +547,22 @@ struct V {
       b = F{half(32), half(48)};
     }
   }
+  // The counter indices of the 32 bf16 values at p (CountKeysBf16):
+  // (|bits| >> shift) * 2 + j % 2 for value j.
+  static __attribute__((always_inline)) void KeysBf16(const unsigned char* p,
+                                                      __m128i shift,
+                                                      uint16_t* out) {
+    const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+    const __m256i odd = _mm256_set1_epi32(0x10000);
+    for (size_t half = 0; half < 2; ++half) {
+      __m256i v = _mm256_and_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * half)),
+          magnitude);
+      v = _mm256_srl_epi16(v, shift);
+      v = _mm256_or_si256(_mm256_add_epi16(v, v), odd);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out + 16 * half), v);
+    }
+  }
   // How many bf16 values of the group at p have 0 < |bits| < limit (at most
   // 128, so the signed 16-bit compare is exact).
   static __attribute__((always_inline)) uint32_t TinyCountBf16(

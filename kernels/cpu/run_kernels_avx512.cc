@@ -84,6 +84,17 @@ struct V {
                                 _mm512_set1_epi16(static_cast<short>(limit)));
     return tiny == 0 ? 0u : static_cast<uint32_t>(std::popcount(tiny));
   }
+  // The counter indices of the 32 bf16 values at p (CountKeysBf16):
+  // (|bits| >> shift) * 2 + j % 2 for value j.
+  static __attribute__((always_inline)) void KeysBf16(const unsigned char* p,
+                                                      __m128i shift,
+                                                      uint16_t* out) {
+    __m512i v =
+        _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi16(0x7fff));
+    v = _mm512_srl_epi16(v, shift);
+    v = _mm512_or_si512(_mm512_add_epi16(v, v), _mm512_set1_epi32(0x10000));
+    _mm512_store_si512(out, v);
+  }
   static __attribute__((always_inline)) F Add(F a, F b) {
     return _mm512_add_ps(a, b);
   }
