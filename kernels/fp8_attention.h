@@ -12,7 +12,7 @@
 //       in, {q_scale, k_scale, v_scale}, {}, &sums));   // once per sequence
 //   double layer_error = sums.RelativeError();
 //
-// Definitions (the same as kvcal.torch.evaluate, client/python/kvcal/
+// Definitions (the same as kvcal.torch.evaluate, python/kvcal/
 // torch.py): for each sequence, reference o = softmax(q kᵀ · s + causal) v
 // in float32 with s = 1/sqrt(head_dim); the FP8 run replaces q, k and v by
 // Fp8E4m3fnFakeQuantize(x, scale) (q left alone with quantize_q = false:

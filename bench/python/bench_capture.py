@@ -47,7 +47,7 @@ import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
-sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+sys.path.insert(0, os.path.join(ROOT, "python"))
 
 BUILD = os.environ.get("KVCAL_BUILD_DIR", os.path.join(ROOT, "build"))
 WORKER_BIN = os.path.join(BUILD, "service", "kvcal-worker")

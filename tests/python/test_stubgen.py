@@ -11,7 +11,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 def _source_stubgen():
     """kvcal/_stubgen.py of this checkout (the tests otherwise import the
     installed package, which has no proto next to it)."""
-    path = os.path.join(ROOT, "client", "python", "kvcal", "_stubgen.py")
+    path = os.path.join(ROOT, "python", "kvcal", "_stubgen.py")
     spec = importlib.util.spec_from_file_location("kvcal_source_stubgen", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

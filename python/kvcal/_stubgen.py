@@ -15,8 +15,8 @@ def find_proto_root():
     candidates = []
     if os.environ.get("KVCAL_PROTO_DIR"):
         candidates.append(os.environ["KVCAL_PROTO_DIR"])
-    # client/python/kvcal -> repository root/proto
-    candidates.append(os.path.join(_HERE, "..", "..", "..", "proto"))
+    # python/kvcal -> repository root/proto
+    candidates.append(os.path.join(_HERE, "..", "..", "proto"))
     # an sdist may carry a copy next to setup.py
     candidates.append(os.path.join(_HERE, "..", "proto"))
     for root in candidates:

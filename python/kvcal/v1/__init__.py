@@ -16,7 +16,7 @@ if _stubgen.stale(_HERE):
     except ImportError as e:  # no grpcio-tools
         raise ImportError(
             "kvcal: the gRPC stubs were not generated and grpcio-tools is not "
-            "installed; install the package with `pip install client/python` "
+            "installed; install the package with `pip install python` "
             "or `pip install grpcio-tools`") from e
 
 from kvcal.v1 import calibration_pb2 as pb  # noqa: E402

@@ -6,8 +6,8 @@ download), saves it, runs a few batches of token ids through it under
 kvcal.torch.capture, finalizes per head, writes the scales file and patches
 the saved model with `kvcal patch` (build/client/kvcal, when built).
 
-    python client/python/examples/calibrate_tiny_llama.py                # starts a local worker
-    python client/python/examples/calibrate_tiny_llama.py --target HOST:PORT --out DIR
+    python python/examples/calibrate_tiny_llama.py                # starts a local worker
+    python python/examples/calibrate_tiny_llama.py --target HOST:PORT --out DIR
 """
 import argparse
 import os
@@ -24,7 +24,7 @@ import transformers
 import kvcal
 import kvcal.torch
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def start_local_worker(build_dir, workdir):
@@ -89,7 +89,7 @@ def main():
         scales.save(scales_path)
         print(f"layer 0 k_scale per KV head: {scales['model.layers.0.self_attn.k_scale'].reshape(-1)}")
         # A running vLLM engine takes them with
-        # kvcal.vllm.update_attention_scales(model, scales) (client/python/README.md).
+        # kvcal.vllm.update_attention_scales(model, scales) (python/README.md).
         client.delete()
     finally:
         if worker is not None:
