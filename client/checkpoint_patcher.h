@@ -1,5 +1,5 @@
 // Writes calibrated KV-cache scales into a Hugging Face safetensors
-// checkpoint so that vLLM loads them (../shared/FORMATS.md).
+// checkpoint so that vLLM loads them (docs/formats.md).
 //
 //   kvcal::PatchOptions options{.checkpoint_dir = "model",
 //                               .scales_path = "scales.safetensors"};

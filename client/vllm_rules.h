@@ -10,7 +10,7 @@
 //                                                 // replaces scales silently
 //
 // Every rule names the vLLM file and function it comes from (paths inside
-// the `vllm/` package of the 0.34.0 sdist; ../shared/FORMATS.md has the
+// the `vllm/` package of the 0.34.0 sdist; docs/formats.md has the
 // summary). Modelled: the compressed-tensors, ModelOpt and Quark quantization
 // configs and a checkpoint without a quantization_config, for decoder models
 // that load through LlamaForCausalLM-style AutoWeightsLoader (the scale

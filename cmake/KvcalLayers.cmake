@@ -1,7 +1,8 @@
 # kvcal_forbid_link(<target> <forbidden>...): fails the configure when any
 # target in <target>'s link closure is one of <forbidden>. Keeps the layering
-# that HOUSE_STYLE describes enforced by the build, not by review: the client
-# stands on the engine's types and statistics, never on its backends.
+# that docs/contributing.md describes enforced by the build, not by review:
+# the client stands on the engine's types and statistics, never on its
+# backends.
 function(_kvcal_link_closure target out)
   set(seen "")
   set(todo ${target})

@@ -7,7 +7,7 @@
 //   float x = kvcal::DecodeBf16(raw_bits);
 //   uint32_t bin = kvcal::HistogramBin(x, /*log2_bins_per_octave=*/4);
 //
-// Histogram layout (CONTRACT.md "Histograms"), for B = 2^k bins per octave:
+// Histogram layout (docs/formats.md "Statistics"), B = 2^k bins per octave:
 //   bin 0                       |x| == 0 (also -0.0)
 //   bin 1                       0 < |x| < 2^-24 (underflow, includes
 //                               float32 subnormals)

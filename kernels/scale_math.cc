@@ -182,8 +182,8 @@ float MinMaxRange(std::span<const HeadStatistics* const> heads,
 
 namespace {
 
-// Values known exactly over a set of heads, descending (CONTRACT.md
-// "Histograms"): every kept tail value at or above T, the largest
+// Values known exactly over a set of heads, descending (docs/formats.md
+// "Observers", percentile): every kept tail value at or above T, the largest
 // 256th-largest value of any head whose tail does not hold all its values.
 // Every value above T is kept by its head, so the j-th entry of the result is
 // the true j-th largest |x| for every entry >= T; T itself included, which
@@ -363,7 +363,7 @@ class ValueModel {
   float absmax() const { return absmax_; }
 
   // Sum over all values of |FakeQuantize(x, scale) - x|^norm: exact for the
-  // kept values, integrated over each interval (CONTRACT.md "MSE").
+  // kept values, integrated over each interval (docs/formats.md "Observers").
   double Error(float scale, Format format, double norm) const {
     const double qmax = FormatMax(format);
     double error = 0.0;

@@ -42,7 +42,7 @@ absl::string_view RoleName(Role role);     // "Q", "K", "V"
 absl::string_view DTypeName(DType dtype);  // "f32", "f16", "bf16"
 size_t DTypeSize(DType dtype);             // 4, 2, 2
 
-// Limits from CONTRACT.md "Sessions".
+// Limits from docs/wire-contract.md "Sessions".
 inline constexpr uint32_t kMaxLayers = 4096;
 inline constexpr uint32_t kMaxHeads = 1024;
 inline constexpr uint32_t kMaxHeadDim = 1024;
@@ -114,11 +114,11 @@ struct ChunkExtent {
   uint64_t elements() const { return outer * heads * inner; }
 };
 
-// Checks `chunk` against `geometry` (CONTRACT.md "Ingest"): role collected,
-// layer in range, rank and head_dim, heads + head_offset within the role's
-// head count, no element-count overflow, and data size == prod(shape) x
-// element size. Messages name what was wrong; callers prefix the chunk's
-// identity (sequence, producer).
+// Checks `chunk` against `geometry` (docs/wire-contract.md "Ingest"): role
+// collected, layer in range, rank and head_dim, heads + head_offset within
+// the role's head count, no element-count overflow, and data size ==
+// prod(shape) x element size. Messages name what was wrong; callers prefix
+// the chunk's identity (sequence, producer).
 absl::StatusOr<ChunkExtent> ValidateChunk(const Geometry& geometry,
                                           const ChunkView& chunk);
 

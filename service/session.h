@@ -67,7 +67,7 @@ struct SessionInfo {
   uint64_t holdout_batches = 0;
 };
 
-// Everything needed to recreate or merge a session (CONTRACT.md "State").
+// All it takes to recreate or merge a session (docs/wire-contract.md).
 struct SessionSnapshot {
   Geometry geometry;
   std::string statistics;  // SessionStatistics::Serialize()
@@ -107,10 +107,10 @@ class Session {
   const std::string& tenant() const { return tenant_; }
   const Geometry& geometry() const { return geometry_; }
 
-  // Exactly-once ingest of one chunk (CONTRACT.md "Ingest"): the chunk is
-  // validated first (InvalidArgument), then its sequence: <= watermark is a
-  // duplicate (applied = false), watermark + 1 is applied, beyond is
-  // FailedPrecondition naming the expected sequence. Errors name the
+  // Exactly-once ingest of one chunk (docs/wire-contract.md "Ingest"): the
+  // chunk is validated first (InvalidArgument), then its sequence: <=
+  // watermark is a duplicate (applied = false), watermark + 1 is applied,
+  // beyond is FailedPrecondition naming the expected sequence. Errors name the
   // sequence and producer. Nothing of a rejected chunk is applied.
   // A `holdout` chunk is kept whole in the session's HoldoutStore instead of
   // the statistics (ResourceExhausted past its budget, nothing applied).

@@ -43,8 +43,8 @@ struct RegistryOptions {
   std::function<void(absl::string_view id)> on_build;
 };
 
-// CONTRACT.md "Sessions": [A-Za-z0-9._-]{1,128}. `allow_empty` for
-// CreateSession, where empty means the server picks one.
+// docs/wire-contract.md "Identifiers": [A-Za-z0-9._-]{1,128}. `allow_empty`
+// for CreateSession, where empty means the server picks one.
 absl::Status ValidateSessionId(absl::string_view id, bool allow_empty);
 
 class SessionRegistry {

@@ -63,7 +63,7 @@ _OBSERVER_ALIASES = _spellings("Observer")
 _GRANULARITY_ALIASES = _spellings("Granularity")
 _FORMAT_ALIASES = _spellings("Format")
 
-# The CLI and the Python client default to 64 bins per octave (CONTRACT.md).
+# The CLI and the Python client default to 64 bins per octave (docs/wire-contract.md).
 DEFAULT_HISTOGRAMS = 64
 
 

@@ -11,7 +11,7 @@ scale; the key after RoPE (and k-norm); the value as projected: exactly the
 tensors the model hands to its attention function, [batch, heads, tokens,
 head_dim] with num_attention_heads query heads and num_key_value_heads key
 and value heads. That is what vLLM quantizes with q_scale and writes to its
-FP8 KV cache (../../shared/FORMATS.md).
+FP8 KV cache (docs/formats.md, "Which activations").
 
 How: transformers Llama-family attention (Llama, Mistral, Qwen2/3, Gemma,
 Phi-3 and every model whose attention class calls

@@ -2,7 +2,7 @@
 // target x granularity x format, and the loader rules themselves
 // (client/vllm_rules.h) on hand-made checkpoints. Each expectation cites the
 // vLLM file and function it comes from (paths inside the `vllm/` package of
-// the 0.34.0 sdist; ../shared/FORMATS.md "What vLLM 0.34.0 does with them").
+// the 0.34.0 sdist; docs/formats.md "What vLLM 0.34.0 does with them").
 //
 // The expected names, shapes and config fields below are written out by
 // hand from vLLM's source, not taken from kvcal's code, so a patcher that
@@ -249,7 +249,7 @@ TEST_P(TargetConformanceTest, WritesWhatVllmLoadsOrRefusesNamingTheRule) {
       auto it = tensors.find(name);
       ASSERT_NE(it, tensors.end()) << name << " missing";
       const TensorInfo& t = it->second.first;
-      // float32 is accepted everywhere (FORMATS.md).
+      // float32 is accepted everywhere (docs/formats.md).
       EXPECT_EQ(t.dtype, "F32") << name;
       if (target_ == PatchTarget::kCompressedTensors) {
         // compressed_tensors.py create_weights: [1] per tensor; attn_head

@@ -556,7 +556,7 @@ TEST(MseObserverTest, MatchesBruteForceWhenAllValuesAreKept) {
   }
 }
 
-// CONTRACT.md "Histograms": on heavy-tailed per-head data at 64 bins per
+// docs/formats.md "The MSE goal": on heavy-tailed per-head data at 64 bins per
 // octave, the chosen scale's raw error is within 1.02x of llm-compressor's
 // grid search on the same raw values for >= 99% of scales, 1.05x for all.
 TEST(MseObserverTest, HeavyTailedDataWithinContractTolerance) {
@@ -806,7 +806,7 @@ TEST(ComputeScalesTest, LayerSelection) {
 }
 
 // ---------------------------------------------------------------------------
-// Option validation (CONTRACT.md "Finalize").
+// Option validation (docs/wire-contract.md "Finalize").
 // ---------------------------------------------------------------------------
 
 TEST(ScaleOptionsTest, RangesAreValidatedEvenForUnusedParameters) {

@@ -1,4 +1,4 @@
-"""Scales computed directly from activations, the way FORMATS.md defines
+"""Scales computed directly from activations, the way docs/formats.md defines
 them (independent of the worker), for comparison in the tests."""
 import numpy as np
 

@@ -302,7 +302,8 @@ TEST_F(WorkerTest, ExactlyOnceWithDuplicatesAndResends) {
   EXPECT_EQ(Export("s"), state);
 
   // From a known producer it is acknowledged with that producer's watermark
-  // (CONTRACT.md: a duplicate is acknowledged with the producer's watermark).
+  // (docs/wire-contract.md: a duplicate is acknowledged with the producer's
+  // watermark).
   auto known = Workload("s", 1, 1);
   known.resize(1);
   known[0].set_producer_id(chunks[0].producer_id());
