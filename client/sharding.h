@@ -1,6 +1,6 @@
 // Which worker holds which layer: rendezvous (highest-random-weight) hashing
 // on (session, layer, worker id). Every client (C++, Python, others) uses
-// this rule, so it is spelled out in client/README.md "Sharding rule" and
+// this rule, so it is spelled out in docs/wire-contract.md "Sharding" and
 // pinned by tests/data/shard_vectors.json, which the C++ and the Python tests
 // both check.
 //

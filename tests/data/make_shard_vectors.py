@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes shard_vectors.json: the test vectors that pin kvcal's sharding rule
-(client/README.md "Sharding rule") for every client.
+(docs/wire-contract.md "Sharding") for every client.
 
 The hash primitives are pinned by published vectors, copied here from their
 sources, not computed:
