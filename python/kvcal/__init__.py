@@ -15,19 +15,44 @@
 kvcal.torch and kvcal.vllm import torch; the rest needs only grpcio,
 protobuf and numpy.
 """
-from kvcal.client import (DEFAULT_HISTOGRAMS, Client, Geometry,  # noqa: F401
-                          KvcalError)
-from kvcal.producer import Producer, ProducerError  # noqa: F401
-from kvcal.scales import Scales  # noqa: F401
+import importlib
 
-__version__ = "0.1.0"
+# Imported on first use (PEP 562), so that the console scripts `kvcal` and
+# `kvcal-worker` (kvcal._binaries) start without loading grpc and numpy.
+_LAZY = {"Client": "kvcal.client", "Geometry": "kvcal.client", "KvcalError": "kvcal.client",
+         "DEFAULT_HISTOGRAMS": "kvcal.client", "Producer": "kvcal.producer",
+         "ProducerError": "kvcal.producer", "Scales": "kvcal.scales"}
+
+
+def _version():
+    try:  # an installed package: setup.py wrote it from VERSION
+        from kvcal._version import __version__ as version
+        return version
+    except ImportError:  # a checkout: the repository's VERSION file
+        import os
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "VERSION")
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return "unknown"
+
+
+__version__ = _version()
 __all__ = ["Client", "Geometry", "KvcalError", "Producer", "ProducerError", "Scales",
            "DEFAULT_HISTOGRAMS"]
 
 
-def __getattr__(name):  # kvcal.torch / kvcal.vllm on first use
+def __getattr__(name):  # the API above, and kvcal.torch / kvcal.vllm, on first use
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     if name in ("torch", "vllm"):
-        import importlib
-
         return importlib.import_module(f"kvcal.{name}")
     raise AttributeError(f"module 'kvcal' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -4,8 +4,8 @@
 # `./run test` calls this after ctest. Quiet and idempotent: requirements are
 # installed again only when requirements.txt changes (a stamp holds its hash),
 # vLLM's wheel (.venv/vllm-VERSION/, for test_vllm_own_code.py) only when
-# requirements-vllm.txt changes, the kvcal package only when python or
-# proto/ changes.
+# requirements-vllm.txt changes, the kvcal package only when python/,
+# proto/ or VERSION changes.
 #
 #   tests/python/run_python_tests.sh [pytest args...]
 #
@@ -144,13 +144,17 @@ pkg_stamp="$VENV/.kvcal-package.sha256"
 mapfile -t pkg_files < <(cd "$ROOT" && find python proto -type f \
   \( -name '*.py' -o -name '*.proto' -o -name '*.toml' \) \
   -not -name '*_pb2*.py' -not -path '*/build/*' -not -path '*.egg-info/*' | sort)
-pkg_want="$(cd "$ROOT" && hash_of "${pkg_files[@]}")"
+pkg_want="$(cd "$ROOT" && hash_of "${pkg_files[@]}" VERSION)"
 if [ "$(cat "$pkg_stamp" 2>/dev/null)" != "$pkg_want" ]; then
   log "installing python"
   "$PY" -m pip install -q --no-deps --no-build-isolation "$ROOT/python" \
     || die "pip install python failed"
   echo "$pkg_want" >"$pkg_stamp"
 fi
+
+# The tools `./run wheel` builds with (.venv-wheel), for test_wheel.py,
+# which must not download anything itself.
+"$ROOT/run" wheel --tools-only || die "./run wheel --tools-only failed"
 
 # `./run bench` only wants the environment (for bench/python).
 if [ "${KVCAL_PYTHON_SETUP_ONLY:-0}" = 1 ]; then exit 0; fi
