@@ -23,7 +23,7 @@
 #include "client/connection.h"
 #include "client/kvcal_cli.h"
 #include "client/progress.h"
-#include "client/report.h"
+#include "client/report/report.h"
 #include "kernels/scale_math.h"
 #include "proto/names.h"
 #include "util/status_macros.h"

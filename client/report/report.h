@@ -13,8 +13,12 @@
 // (ComputeScales) and estimates each one's quantization error, saturation
 // and subnormal shares from the histograms (EstimateQuantization). With
 // evaluation results the measured figures decide the recommendation.
-#ifndef KVCAL_CLIENT_REPORT_H_
-#define KVCAL_CLIENT_REPORT_H_
+//
+// The parts (client/report/): svg.* draws the figures, evaluation.* reads
+// evaluation results, estimates.* computes the per-observer estimates,
+// recommendation.* holds the policy, page.cc lays the page out.
+#ifndef KVCAL_CLIENT_REPORT_REPORT_H_
+#define KVCAL_CLIENT_REPORT_REPORT_H_
 
 #include <optional>
 #include <string>
@@ -56,4 +60,4 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& inputs);
 
 }  // namespace kvcal
 
-#endif  // KVCAL_CLIENT_REPORT_H_
+#endif  // KVCAL_CLIENT_REPORT_REPORT_H_
