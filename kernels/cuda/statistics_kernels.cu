@@ -1,8 +1,20 @@
 // Instantiates the statistics kernels and launches them (see
-// statistics_kernels.h). Grid sizing is the caller's (cuda_backend.cc).
+// statistics_kernels.h for the state layout and the launch interface). Grid
+// sizing is the caller's (cuda_backend.cc).
+//
+// One kernel per header: accumulate_kernel.cuh (a chunk's values into each
+// head's statistics, histogram and warp tails) and tail_select_kernel.cuh
+// (the warps' tail candidates merged into each head's exact top 256);
+// device/ holds the pieces they share. CUB (CCCL, shipped with the toolkit)
+// provides the block reduction of the per-thread statistics
+// (cub::BlockReduce over BlockStatistics) and the warp prefix sum that
+// places tail candidates (cub::WarpScan); the top-256 selection is
+// hand-written (bitonic sort, device/bitonic_sort.cuh; radix select per
+// head).
 #include <utility>
 
-#include "kernels/cuda/statistics_kernels.cuh"
+#include "kernels/cuda/accumulate_kernel.cuh"
+#include "kernels/cuda/tail_select_kernel.cuh"
 
 namespace kvcal::cuda {
 namespace {

@@ -1,7 +1,8 @@
 // Launch interface of the CUDA statistics kernels (statistics_kernels.cu).
 // The host code in cuda_backend.cc owns the memory described here, sizes the
 // grid and calls these functions; the kernels themselves live in
-// statistics_kernels.cuh. No Abseil here: this header is compiled by nvcc.
+// accumulate_kernel.cuh and tail_select_kernel.cuh. No Abseil here: this
+// header is compiled by nvcc.
 //
 // Device state, per flat head index (SessionStatistics::Index order), all
 // zero after Reset so that one cudaMemsetAsync initialises everything:
