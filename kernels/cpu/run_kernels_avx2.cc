@@ -382,6 +382,49 @@ void FinishHead(const HeadState& s, RunAccumulator& acc) {
                                    _mm256_add_pd(s.even.sq1, s.odd.sq1));
 }
 
+// One block of one head: `pairs` pairs of vectors at p, then one more vector
+// when `single`, into the head's state `s`, its sub-histogram `sub` (null
+// without histograms) and its accumulator's tail.
+template <DType kDType, bool kHistogram, bool kTail>
+inline void Avx2Block(const unsigned char* p, size_t pairs, bool single,
+                      HeadState& s, uint32_t* sub, RunAccumulator& acc,
+                      uint32_t log2_bins, const FastConstants& c) {
+  constexpr size_t kSize = kDType == DType::kF32 ? 4 : 2;
+  TailKeeper* const tail = acc.tail;
+  const uint64_t vectors = 2 * pairs + (single ? 1 : 0);
+  if constexpr (kHistogram) {
+    if (s.since_flush + vectors > kFlushEveryVectors) {
+      FlushHead(s, sub, log2_bins, acc);
+    }
+    s.since_flush += vectors;
+  }
+  __m256 threshold = _mm256_set1_ps(kTail ? tail->threshold() : 0.0f);
+  Lanes even = s.even, odd = s.odd;
+  const unsigned char* q = p;
+  for (size_t k = 0; k < pairs; ++k, q += 16 * kSize) {
+    _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes,
+                 _MM_HINT_T0);
+    __m256 a, b;
+    Load16<kDType>(q, a, b);
+    AddFast<kHistogram, kTail>(a, even, sub, tail, threshold, c);
+    // With histograms the counting, not the latency of the sums, bounds
+    // the loop: one set of accumulators leaves registers to the rest.
+    AddFast<kHistogram, kTail>(b, kHistogram ? even : odd, sub, tail, threshold,
+                               c);
+  }
+  if (single) {
+    AddFast<kHistogram, kTail>(Load8<kDType>(q), even, sub, tail, threshold, c);
+  }
+  if (SumsNonFinite(even, odd)) [[unlikely]] {
+    RedoBlockCarefully<kDType, kHistogram>(p, pairs, single, s, sub,
+                                           c.bins.overflow);
+  } else {
+    s.even = even;
+    s.odd = odd;
+  }
+  s.vector_values += 8 * vectors;
+}
+
 // flatten: the per-vector functions above must be inlined into the loops.
 template <DType kDType, bool kHistogram, bool kTail>
 __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
@@ -397,48 +440,6 @@ __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
       kHistogram ? SubHistograms(heads * head_counters) : nullptr;
   HeadState* const states = HeadStates(heads);
 
-  // One block of head h: `pairs` pairs of vectors at p, then one more
-  // vector when `single`.
-  auto block = [&](const unsigned char* p, size_t pairs, bool single,
-                   size_t h) {
-    HeadState& s = states[h];
-    uint32_t* const sub = kHistogram ? subs + h * head_counters : nullptr;
-    TailKeeper* const tail = accs[h].tail;
-    const uint64_t vectors = 2 * pairs + (single ? 1 : 0);
-    if constexpr (kHistogram) {
-      if (s.since_flush + vectors > kFlushEveryVectors) {
-        FlushHead(s, sub, log2_bins, accs[h]);
-      }
-      s.since_flush += vectors;
-    }
-    __m256 threshold = _mm256_set1_ps(kTail ? tail->threshold() : 0.0f);
-    Lanes even = s.even, odd = s.odd;
-    const unsigned char* q = p;
-    for (size_t k = 0; k < pairs; ++k, q += 16 * kSize) {
-      _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes,
-                   _MM_HINT_T0);
-      __m256 a, b;
-      Load16<kDType>(q, a, b);
-      AddFast<kHistogram, kTail>(a, even, sub, tail, threshold, c);
-      // With histograms the counting, not the latency of the sums, bounds
-      // the loop: one set of accumulators leaves registers to the rest.
-      AddFast<kHistogram, kTail>(b, kHistogram ? even : odd, sub, tail,
-                                 threshold, c);
-    }
-    if (single) {
-      AddFast<kHistogram, kTail>(Load8<kDType>(q), even, sub, tail, threshold,
-                                 c);
-    }
-    if (SumsNonFinite(even, odd)) [[unlikely]] {
-      RedoBlockCarefully<kDType, kHistogram>(p, pairs, single, s, sub,
-                                             c.bins.overflow);
-    } else {
-      s.even = even;
-      s.odd = odd;
-    }
-    s.vector_values += 8 * vectors;
-  };
-
   const size_t pairs_per_run = length / 16;
   const bool single = (length / 8) % 2 != 0;
   const size_t rest = length % 8;
@@ -451,7 +452,10 @@ __attribute__((flatten)) void Avx2RowsGroup(const unsigned char* base,
       do {
         const size_t n = std::min(pairs_per_run - done, kBlockPairs);
         const bool last = done + n == pairs_per_run;
-        block(p + done * 16 * kSize, n, last && single, h);
+        Avx2Block<kDType, kHistogram, kTail>(
+            p + done * 16 * kSize, n, last && single, states[h],
+            kHistogram ? subs + h * head_counters : nullptr, accs[h], log2_bins,
+            c);
         done += n;
       } while (done < pairs_per_run);
       if (rest != 0) {
