@@ -46,8 +46,26 @@ struct ServiceOptions {
 class IngestReactor;
 class SessionPersister;
 
-class CalibrationService final
-    : public kvcal::v1::Calibration::CallbackService {
+// The generated kvcal.v1.Calibration service on gRPC's callback API, every
+// method typed except Ingest, which is raw (grpc::ByteBuffer in and out):
+// the generated CallbackService with WithRawCallbackMethod_Ingest in the
+// place of WithCallbackMethod_Ingest. Public generated API only; the order
+// of the chain does not matter (each layer registers its own method).
+namespace calibration_grpc {
+using G = kvcal::v1::Calibration;
+using Base = G::WithCallbackMethod_CreateSession<
+    G::WithCallbackMethod_GetSession<G::WithCallbackMethod_ListSessions<
+        G::WithCallbackMethod_DeleteSession<G::WithRawCallbackMethod_Ingest<
+            G::WithCallbackMethod_Finalize<G::WithCallbackMethod_ExportState<
+                G::WithCallbackMethod_ImportState<
+                    G::WithCallbackMethod_GetWorkerInfo<
+                        G::WithCallbackMethod_RegisterSharedMemory<
+                            G::WithCallbackMethod_UnregisterSharedMemory<
+                                G::WithCallbackMethod_ListSharedMemory<
+                                    G::Service>>>>>>>>>>>>;
+}  // namespace calibration_grpc
+
+class CalibrationService final : public calibration_grpc::Base {
  public:
   explicit CalibrationService(ServiceOptions options);
   ~CalibrationService() override;
@@ -88,9 +106,9 @@ class CalibrationService final
       kvcal::v1::DeleteSessionResponse* response) override;
   // Ingest is served raw (ByteBuffer in, ByteBuffer out): chunk data is read
   // in place from gRPC's receive buffer (ingest_wire.h), never copied into a
-  // message. The constructor installs this handler for the method.
-  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestRaw(
-      grpc::CallbackServerContext* context);
+  // message. One IngestReactor (ingest_reactor.h) per stream.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Ingest(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* Finalize(
       grpc::CallbackServerContext* context,
       const kvcal::v1::FinalizeRequest* request,
