@@ -457,6 +457,35 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
   for (const ChunkView& c : chunks) {
     per_worker[WorkerFor(session_id, c.layer)].push_back(c);
   }
+  // Without resume, a producer that already has chunks on any worker is
+  // refused before a chunk goes to any other (each uploader checks only its
+  // own worker, and the others would have applied theirs meanwhile).
+  if (!options.resume) {
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (per_worker[i].empty()) continue;
+      grpc::ClientContext context;
+      PrepareContext(context, options_, kRpcTimeout, /*wait_for_ready=*/true);
+      v1::GetSessionRequest request;
+      request.set_session_id(session_id);
+      v1::Session session;
+      KVCAL_RETURN_IF_ERROR(ToAbslStatus(
+          workers_[i].stub->GetSession(&context, request, &session),
+          absl::StrCat("GetSession on ", workers_[i].id, " (",
+                       workers_[i].endpoint, ")")));
+      uint64_t applied = 0;
+      for (const v1::ProducerWatermark& p : session.producers()) {
+        if (p.producer_id() == options.producer_id) applied = p.sequence();
+      }
+      if (applied > 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            workers_[i].id, " (", workers_[i].endpoint, "): session ",
+            session_id, ", producer ", options.producer_id, " already has ",
+            applied,
+            " chunks applied; use a new producer name, or resume to finish "
+            "an interrupted push of the same dump"));
+      }
+    }
+  }
   // Where a worker was found again under a new address (per worker; each
   // upload thread writes only its own).
   std::vector<std::string> moved_to(workers_.size());

@@ -400,6 +400,10 @@ absl::StatusOr<CommandResult> RunInspect(const Args& a) {
 }
 
 absl::StatusOr<CommandResult> RunCalibrate(Args a) {
+  if (a.resume && a.session.empty()) {
+    return absl::InvalidArgumentError(
+        "--resume needs --session: the id of the run to continue");
+  }
   KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
   if (a.config.empty()) a.config = a.checkpoint + "/config.json";
   KVCAL_ASSIGN_OR_RETURN(
@@ -666,6 +670,10 @@ CLI::App* AddCalibrateCommand(CLI::App& app, Args& a) {
       ->capture_default_str();
   sub->add_flag("--shm", a.shm,
                 "same-host shared memory for the push (see push --shm)");
+  sub->add_flag("--resume", a.resume,
+                "continue an interrupted run of the same --session and dump: "
+                "the session is reused and the push skips what the workers "
+                "already applied (see push --resume)");
   AddFinalize(sub, a.finalize);
   sub->add_option("-o,--output", a.output,
                   "scales file (default: ./kvcal-scales-SESSION.safetensors)");

@@ -4,7 +4,7 @@ unknown fields), and checks what kvcal relies on: the headless Service
 publishes not-ready addresses, probes are gRPC, a PodDisruptionBudget, the
 token Secret and a NetworkPolicy exist, requests are set, and every flag in the
 rendered worker and `kvcal calibrate` args is one the binaries accept
-(from their --help)."""
+(from their --help), and the Job reruns with a fixed --session and --resume."""
 import argparse
 import glob
 import os
@@ -102,6 +102,9 @@ def main():
                     check(f in calibrate_flags, f"{name}: kvcal calibrate does not accept {f}")
                 check(any(a.startswith("--server=dns:///") for a in args),
                       f"{name}: the Job does not name the workers' headless Service")
+                # A retried pod must continue the run, not fail on it.
+                check("--resume" in args and any(a.startswith("--session=") for a in args),
+                      f"{name}: the Job does not rerun with --session=ID --resume")
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         return 1
