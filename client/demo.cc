@@ -26,7 +26,7 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-// Median over all heads of mse_scale / minmax_scale.
+// Median over all scales (every layer, role and head) of mse / minmax.
 double MedianRatio(const v1::FinalizeResponse& a,
                    const v1::FinalizeResponse& b) {
   std::vector<double> ratios;
@@ -68,9 +68,11 @@ absl::StatusOr<std::string> DemoDirectory(std::string requested) {
   return requested;
 }
 
-// Step 4: per-head scales under static min-max and MSE, each written to
-// DIR/scales-OBSERVER.safetensors (and shown on `out` when not null). Sets
-// `ratio` to the median MSE / static-minmax scale; returns the JSON of both.
+// Step 4: per-tensor scales (what docs/quality.md and `kvcal report`
+// recommend; every vLLM attention backend loads them) under static min-max
+// and MSE, each written to DIR/scales-OBSERVER.safetensors (and shown on
+// `out` when not null). Sets `ratio` to the median MSE / static-minmax
+// scale; returns the JSON of both.
 absl::StatusOr<Json> FinalizeBothObservers(CalibrationClient& client,
                                            const std::string& session_id,
                                            const std::string& dir,
@@ -80,7 +82,7 @@ absl::StatusOr<Json> FinalizeBothObservers(CalibrationClient& client,
   for (v1::Observer observer : {v1::OBSERVER_STATIC_MINMAX, v1::OBSERVER_MSE}) {
     v1::FinalizeRequest request;
     request.set_session_id(session_id);
-    request.set_granularity(v1::GRANULARITY_PER_HEAD);
+    request.set_granularity(v1::GRANULARITY_PER_TENSOR);
     request.set_observer(observer);
     const std::string name = CanonicalName(observer);
     const std::string path =
@@ -88,7 +90,7 @@ absl::StatusOr<Json> FinalizeBothObservers(CalibrationClient& client,
     KVCAL_ASSIGN_OR_RETURN(FinalizeSummary f,
                            FinalizeToFile(client, request, path));
     if (out != nullptr) {
-      *out << "[4/6] per-head scales, observer " << name << " -> " << path
+      *out << "[4/6] per-tensor scales, observer " << name << " -> " << path
            << "\n"
            << FinalizeTable(f.response);
     }
@@ -228,7 +230,7 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
         absl::ToDoubleSeconds(pushed.elapsed));
   }
 
-  // 4. Finalize per head with two observers.
+  // 4. Finalize per tensor with two observers.
   double ratio = 0;  // median mse / static-minmax scale
   KVCAL_ASSIGN_OR_RETURN(
       const Json observers,
@@ -236,14 +238,19 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
   if (text) {
     out << absl::StrFormat(
         "      median mse/static-minmax scale ratio: %.3f (MSE clips the heavy "
-        "tails)\n",
+        "tails)\n"
+        "      per tensor loads on every vLLM attention backend; per head "
+        "(--granularity head) starts only on FlashAttention 3 (Hopper), so "
+        "take it only where `kvcal report` shows it helps your model\n",
         ratio);
   }
 
-  // 5. Patch in place with the MSE scales, then inspect.
+  // 5. Patch in place with the static min-max scales (the recommended
+  // observer), then inspect.
   KVCAL_ASSIGN_OR_RETURN(
       InspectReport inspect,
-      PatchAndInspect(model_dir, dir + "/scales-mse.safetensors", steps));
+      PatchAndInspect(model_dir, dir + "/scales-static_minmax.safetensors",
+                      steps));
 
   // 6. Stop the worker.
   client.reset();

@@ -7,7 +7,7 @@
     with kvcal.Producer(client) as producer, kvcal.torch.capture(model, producer):
         for input_ids in batches:
             model(input_ids)                      # one forward = one batch
-    scales = client.finalize(observer="static_minmax", granularity="head")
+    scales = client.finalize(observer="static_minmax", granularity="tensor")
     scales.save("scales.safetensors")             # then: kvcal patch --checkpoint M --scales ...
     # In a running vLLM engine (an RL loop recalibrating every step):
     #   kvcal.vllm.update_attention_scales(model, scales)
