@@ -328,6 +328,60 @@ TEST_F(UploaderTest, SecondPushOfAProducerNeedsResumeAndSkipsApplied) {
   EXPECT_EQ(after->values_ingested(), before->values_ingested());
 }
 
+// Over two workers, a producer that has chunks on one of them is refused
+// without resume before anything reaches the other (each worker's uploader
+// would otherwise push its own layers first); resume then finishes with the
+// scales of one whole push.
+TEST_F(UploaderTest, PushWithoutResumeOverTwoWorkersChangesNothing) {
+  std::vector<std::unique_ptr<LocalWorker>> workers;
+  for (int i = 0; i < 2; ++i) {
+    workers.push_back(StartWorker());
+    ASSERT_NE(workers.back(), nullptr);
+  }
+  CalibrationClient client =
+      Connect({workers[0]->address(), workers[1]->address()});
+  const std::string id = "two-again";
+  Create(client, id);
+  UploaderOptions options;
+  options.producer_id = "p";
+  // The first worker's layers only, as if the push had died after them.
+  std::vector<ChunkView> first;
+  for (const ChunkView& c : chunks_) {
+    if (client.WorkerFor(id, c.layer) == 0) first.push_back(c);
+  }
+  ASSERT_FALSE(first.empty());
+  ASSERT_LT(first.size(), chunks_.size());
+  ASSERT_TRUE(client.Upload(id, first, options).ok());
+  auto values_on = [&](size_t i) {
+    grpc::ClientContext context;
+    v1::GetSessionRequest request;
+    request.set_session_id(id);
+    v1::Session s;
+    EXPECT_TRUE(client.stub(i).GetSession(&context, request, &s).ok());
+    return s.values_ingested();
+  };
+  const uint64_t on_first = values_on(0);
+  ASSERT_GT(on_first, 0u);
+  ASSERT_EQ(values_on(1), 0u);
+
+  auto refused = client.Upload(id, chunks_, options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("already has"));
+  EXPECT_EQ(values_on(0), on_first);
+  EXPECT_EQ(values_on(1), 0u);  // nothing went to the other worker
+
+  options.resume = true;
+  auto resumed = client.Upload(id, chunks_, options);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_GT(resumed->chunks_skipped, 0u);
+  EXPECT_GT(values_on(1), 0u);
+
+  CalibrationClient one = Connect({workers[0]->address()});
+  Create(one, "whole");
+  ASSERT_TRUE(one.Upload("whole", chunks_, {}).ok());
+  EXPECT_EQ(Scales(client, id), Scales(one, "whole"));
+}
+
 TEST_F(UploaderTest, BearerTokenIsSentAndRequired) {
   const std::string token_file = dir_ / "token";
   std::ofstream(token_file) << "s3cret\n";
