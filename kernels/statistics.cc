@@ -105,6 +105,31 @@ uint64_t SessionStatistics::finite_values() const {
   return n;
 }
 
+NonFiniteHeads FindNonFiniteHeads(const SessionStatistics& stats,
+                                  const std::vector<uint32_t>& layers,
+                                  size_t limit) {
+  NonFiniteHeads out;
+  const Geometry& g = stats.geometry();
+  auto visit = [&](uint32_t layer) {
+    for (Role role : g.roles()) {
+      for (uint32_t h = 0; h < g.heads(role); ++h) {
+        const HeadStatistics& s = stats.head(layer, role, h);
+        if (s.nonfinite_count() == 0) continue;
+        ++out.total_heads;
+        if (out.heads.size() < limit) {
+          out.heads.push_back({layer, role, h, s.nan_count, s.inf_count});
+        }
+      }
+    }
+  };
+  if (layers.empty()) {
+    for (uint32_t l = 0; l < g.num_layers; ++l) visit(l);
+  } else {
+    for (uint32_t l : layers) visit(l);
+  }
+  return out;
+}
+
 uint64_t SessionStatistics::nonfinite_values() const {
   uint64_t n = 0;
   for (const HeadStatistics& h : heads_) n += h.nonfinite_count();

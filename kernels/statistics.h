@@ -133,6 +133,29 @@ class SessionStatistics {
   std::vector<HeadStatistics> heads_;
 };
 
+// The non-finite values of one (layer, role, head).
+struct NonFiniteHead {
+  uint32_t layer = 0;
+  Role role = Role::kQ;
+  uint32_t head = 0;
+  uint64_t nan = 0;
+  uint64_t inf = 0;  // +Inf and -Inf
+  friend bool operator==(const NonFiniteHead&, const NonFiniteHead&) = default;
+};
+
+struct NonFiniteHeads {
+  // The first `limit` heads with any, ordered by layer, role (Q, K, V), head.
+  std::vector<NonFiniteHead> heads;
+  // Heads with any (listed or not).
+  uint64_t total_heads = 0;
+};
+
+// The heads of `layers` (empty = every layer; each must exist) that saw NaN
+// or Inf values.
+NonFiniteHeads FindNonFiniteHeads(const SessionStatistics& stats,
+                                  const std::vector<uint32_t>& layers,
+                                  size_t limit);
+
 // Bytes of statistics state a session of `geometry` needs, excluding the
 // per-batch extrema that grow with the number of batches (what the worker's
 // memory budget counts per session, on every backend).

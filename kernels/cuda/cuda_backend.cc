@@ -351,6 +351,47 @@ class CudaBackend final : public CudaStatisticsBackend {
         }));
   }
 
+  absl::StatusOr<ChunkNonFinite> CountNonFiniteDeviceData(
+      const ChunkView& chunk) override {
+    if (!chunk.pieces.empty()) {
+      return absl::InvalidArgumentError(
+          "device data must be one range (chunk.data), not pieces");
+    }
+    KVCAL_ASSIGN_OR_RETURN(const ChunkExtent extent,
+                           ValidateChunk(geometry_, chunk));
+    ChunkNonFinite found;
+    found.heads.resize(extent.heads);
+    if (extent.elements() == 0) return found;
+    std::lock_guard<std::mutex> lock(mu_);
+    KVCAL_RETURN_IF_ERROR(CheckHealthyLocked());
+    KVCAL_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Enter(device_));
+    KVCAL_RETURN_IF_ERROR(CheckDeviceData(chunk));
+    const size_t element_size = DTypeSize(chunk.dtype);
+    const uint64_t elements = extent.elements();
+    const uint64_t per_copy = kStagingSlotBytes / element_size;
+    std::vector<std::byte> host(
+        std::min<uint64_t>(per_copy, elements) * element_size);
+    const auto* base = reinterpret_cast<const std::byte*>(chunk.data.data());
+    auto copy_and_count = [&]() -> absl::Status {
+      for (uint64_t e = 0; e < elements; e += per_copy) {
+        const uint64_t n = std::min(per_copy, elements - e);
+        KVCAL_CUDA_RETURN_IF_ERROR(cudaMemcpy(host.data(),
+                                              base + e * element_size,
+                                              n * element_size,
+                                              cudaMemcpyDeviceToHost));
+        CountNonFiniteElements(chunk.dtype, host.data(), e, n, extent, found);
+      }
+      return absl::OkStatus();
+    };
+    if (absl::Status status = copy_and_count(); !status.ok()) {
+      // A lost device makes the state untrustworthy; anything else was this
+      // read's alone.
+      if (absl::IsUnavailable(status)) return Poison(status);
+      return status;
+    }
+    return found;
+  }
+
   absl::Status Synchronize() override {
     std::lock_guard<std::mutex> lock(mu_);
     KVCAL_RETURN_IF_ERROR(broken_);

@@ -27,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kernels/nonfinite.h"
 
 // cudaEvent_t is `CUevent_st*`; declared here so that this header needs no
 // CUDA headers.
@@ -75,6 +76,16 @@ class CudaStatisticsBackend : public StatisticsBackend {
   // complete already (the producer synchronized).
   [[nodiscard]] virtual absl::Status AccumulateDeviceData(
       const ChunkView& chunk, CUevent_st* ready) = 0;
+
+  // The NaN and Inf values per head of a chunk in device memory, for a
+  // session that refuses non-finite values before anything is applied. The
+  // checks of AccumulateDeviceData come first (INVALID_ARGUMENT, nothing
+  // read); then the bytes are copied to host memory 8 MiB at a time and
+  // counted there (kernels/nonfinite.h, the code that counts in-band
+  // chunks), before this returns. Changes no state; the data must be
+  // complete (the producer synchronized).
+  [[nodiscard]] virtual absl::StatusOr<ChunkNonFinite> CountNonFiniteDeviceData(
+      const ChunkView& chunk) = 0;
 
   // Waits until everything enqueued has finished; returns the first device
   // error, if any.

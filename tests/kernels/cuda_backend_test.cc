@@ -275,6 +275,60 @@ TEST_F(CudaBackendTest, DeviceDataIsCheckedBeforeAnythingRuns) {
   EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
 }
 
+// What a session with reject_non_finite asks before it accumulates a CUDA
+// IPC chunk: the per-head NaN and Inf counts of device data, the same as the
+// host count of the same bytes (kernels/nonfinite.h), with the checks of
+// AccumulateDeviceData first and nothing accumulated.
+TEST_F(CudaBackendTest, CountsNonFiniteDeviceDataWithoutApplyingIt) {
+  Rng rng(105);
+  const Geometry g = TestGeometry();
+  auto backend = Make(g);
+  ASSERT_NE(backend, nullptr);
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBf16}) {
+    // Larger than one 8 MiB host copy for f32: the count spans copies.
+    auto chunk = NormalChunk(rng, {9000, 4, 64}, 0, dtype);
+    const uint32_t nan = dtype == DType::kF32   ? 0x7fc00000u
+                         : dtype == DType::kF16 ? 0x7e00u
+                                                : 0x7fc0u;
+    const uint32_t inf = dtype == DType::kF32   ? 0xff800000u
+                         : dtype == DType::kF16 ? 0xfc00u
+                                                : 0xff80u;
+    chunk->SetRaw(5 * 64 + 1, nan);                    // token 1, head 1
+    chunk->SetRaw(chunk->elements() - 1, inf);         // last token, head 3
+    chunk->SetRaw((8999 * 4 + 3) * 64 + 10, nan);      // last token, head 3
+    DeviceCopy device(*chunk);
+    const ChunkView host_view = chunk->view(0, Role::kQ);
+    const ChunkView device_view =
+        WithData(host_view, device.get(), chunk->data().size());
+    auto found = backend->CountNonFiniteDeviceData(device_view);
+    ASSERT_THAT(found, IsOk());
+    auto extent = ValidateChunk(g, host_view);
+    ASSERT_THAT(extent, IsOk());
+    const ChunkNonFinite want = CountNonFinite(host_view, *extent);
+    ASSERT_EQ(found->heads.size(), want.heads.size());
+    for (size_t h = 0; h < want.heads.size(); ++h) {
+      EXPECT_EQ(found->heads[h].nan, want.heads[h].nan) << h;
+      EXPECT_EQ(found->heads[h].inf, want.heads[h].inf) << h;
+    }
+    EXPECT_EQ(found->heads[1].nan, 1u);
+    EXPECT_EQ(found->heads[3].nan, 1u);
+    EXPECT_EQ(found->heads[3].inf, 1u);
+    EXPECT_EQ(found->total(), 3u);
+  }
+  // The device-data checks come first.
+  auto chunk = NormalChunk(rng, {16, 4, 64}, 0);
+  std::vector<float> host(chunk->data().size() / sizeof(float), 1.0f);
+  EXPECT_THAT(backend->CountNonFiniteDeviceData(WithData(
+                  chunk->view(0, Role::kQ), host.data(), chunk->data().size())),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("not CUDA memory")));
+  // Counting applied nothing.
+  auto snapshot = backend->Snapshot();
+  ASSERT_THAT(snapshot, IsOk());
+  ExpectStatesEqual(SessionStatistics(g), *snapshot);
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+}
+
 // The producer writes on its own stream and hands over an event: the read
 // waits for it on the device. 64 MiB through a pinned copy keeps the
 // producer's stream busy long enough that an unordered read would see the
