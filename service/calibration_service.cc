@@ -106,10 +106,13 @@ grpc::ServerUnaryReactor* CalibrationService::CreateSession(
                            "' is not in the session's shard map [",
                            absl::StrJoin(map.worker_ids, ", "), "]"));
         }
+        const SessionParameters parameters{
+            .holdout_budget_bytes = request->holdout_budget_bytes(),
+            .reject_non_finite = request->reject_non_finite()};
         KVCAL_ASSIGN_OR_RETURN(
             const std::shared_ptr<Session> session,
             registry_.Create(tenant, request->session_id(), geometry, map,
-                             request->holdout_budget_bytes()));
+                             parameters));
         if (persister_ != nullptr) {
           // A failing disk is reported (metrics, /healthz) and the session
           // still serves, as with periodic snapshots.

@@ -58,6 +58,9 @@ struct EvaluatedFinalize {
   std::optional<Evaluation> evaluation;
   // `auto`: every candidate, in the order tried.
   std::vector<Evaluation> candidates;
+  // The selected layers' heads with NaN or Inf values (Session::Finalize
+  // fills it; kMaxNonFiniteHeadsListed at most).
+  NonFiniteHeads nonfinite_heads;
 };
 
 // FailedPrecondition when evaluation is asked of a session without held-out

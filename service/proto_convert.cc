@@ -164,6 +164,19 @@ void ResolvedFinalizeToProto(const kvcal::v1::FinalizeRequest& request,
   }
 }
 
+void NonFiniteHeadsToProto(
+    const NonFiniteHeads& heads,
+    google::protobuf::RepeatedPtrField<kvcal::v1::NonFiniteHead>* out) {
+  for (const NonFiniteHead& h : heads.heads) {
+    kvcal::v1::NonFiniteHead* p = out->Add();
+    p->set_layer(h.layer);
+    p->set_role(static_cast<kvcal::v1::Role>(h.role));
+    p->set_head(h.head);
+    p->set_nan(h.nan);
+    p->set_inf(h.inf);
+  }
+}
+
 void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out) {
   out->set_session_id(info.session_id);
   out->set_num_layers(info.geometry.num_layers);
@@ -191,6 +204,9 @@ void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out) {
   out->set_holdout_bytes(info.holdout_bytes);
   out->set_holdout_chunks(info.holdout_chunks);
   out->set_holdout_batches(info.holdout_batches);
+  out->set_reject_non_finite(info.reject_non_finite);
+  NonFiniteHeadsToProto(info.nonfinite_heads, out->mutable_nonfinite_heads());
+  out->set_nonfinite_heads_total(info.nonfinite_heads.total_heads);
 }
 
 absl::StatusOr<EvaluatedFinalizeOptions> EvaluatedFinalizeOptionsFromProto(
@@ -268,6 +284,9 @@ void EvaluationToProto(const Evaluation& e, kvcal::v1::Evaluation* out) {
 void EvaluatedFinalizeToProto(const EvaluatedFinalize& result,
                               kvcal::v1::FinalizeResponse* out) {
   ScaleResultToProto(result.scales, out);
+  NonFiniteHeadsToProto(result.nonfinite_heads,
+                        out->mutable_nonfinite_heads());
+  out->set_nonfinite_heads_total(result.nonfinite_heads.total_heads);
   if (result.evaluation.has_value()) {
     EvaluationToProto(*result.evaluation, out->mutable_evaluation());
   }
@@ -338,6 +357,7 @@ void SnapshotToProto(const std::string& session_id,
     ShardMapToProto(snapshot.shard_map, out->mutable_shard_map());
   }
   out->set_holdout_budget_bytes(snapshot.holdout_budget_bytes);
+  out->set_reject_non_finite(snapshot.reject_non_finite);
   for (const HoldoutChunk& c : snapshot.holdout_chunks) {
     kvcal::v1::HoldoutChunk* h = out->add_holdout_chunks();
     h->set_producer_id(c.producer_id);
@@ -389,6 +409,7 @@ absl::StatusOr<SessionSnapshot> SnapshotFromProto(
   snapshot.shard_map = ShardMapFromProto(state.shard_map());
   KVCAL_RETURN_IF_ERROR(ValidateShardMap(snapshot.shard_map, g.num_layers));
   snapshot.holdout_budget_bytes = state.holdout_budget_bytes();
+  snapshot.reject_non_finite = state.reject_non_finite();
   for (const kvcal::v1::HoldoutChunk& h : state.holdout_chunks()) {
     // The same checks as a chunk arriving by Ingest.
     kvcal::v1::IngestRequest as_chunk;

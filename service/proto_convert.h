@@ -36,6 +36,10 @@ ShardMap ShardMapFromProto(const kvcal::v1::ShardMap& map);
 void ShardMapToProto(const ShardMap& map, kvcal::v1::ShardMap* out);
 
 void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out);
+// Session.nonfinite_heads / FinalizeResponse.nonfinite_heads.
+void NonFiniteHeadsToProto(
+    const NonFiniteHeads& heads,
+    google::protobuf::RepeatedPtrField<kvcal::v1::NonFiniteHead>* out);
 // Writes every option of `options` into `out` (the resolved request that
 // FinalizeResponse echoes); session_id, layers and shard ids are left as
 // they are.

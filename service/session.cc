@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/nonfinite.h"
 #include "util/status_macros.h"
 
 namespace kvcal::service {
@@ -15,12 +16,49 @@ std::string ResolveProducerId(absl::string_view producer_id) {
                              : std::string(producer_id);
 }
 
+namespace {
+
+// For a session with reject_non_finite: InvalidArgument when an exported
+// state would bring NaN or Inf values in (statistics or held-out chunks).
+absl::Status CheckStateFinite(const std::string& session_id,
+                              const SessionStatistics& stats,
+                              const std::vector<HoldoutChunk>& holdout) {
+  const NonFiniteHeads found = FindNonFiniteHeads(stats, {}, 1);
+  if (found.total_heads > 0) {
+    const NonFiniteHead& h = found.heads.front();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the state holds ", stats.nonfinite_values(),
+        " non-finite values in ", found.total_heads,
+        " heads (first: layer ", h.layer, " ", RoleName(h.role), " head ",
+        h.head, ", ", h.nan, " NaN, ", h.inf, " Inf) and session '",
+        session_id,
+        "' rejects non-finite values (created with reject_non_finite)"));
+  }
+  for (const HoldoutChunk& c : holdout) {
+    const ChunkView view = c.view();
+    absl::StatusOr<ChunkExtent> extent = ValidateChunk(stats.geometry(), view);
+    if (!extent.ok()) return extent.status();
+    const ChunkNonFinite nonfinite = CountNonFinite(view, *extent);
+    if (nonfinite.total() > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the state's held-out chunk ", c.sequence, " from producer '",
+          c.producer_id, "' holds ", DescribeNonFinite(view, nonfinite),
+          " and session '", session_id,
+          "' rejects non-finite values (created with reject_non_finite)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 Session::Session(std::string id, std::string tenant, const Geometry& geometry,
                  std::unique_ptr<StatisticsBackend> backend,
-                 uint64_t holdout_budget_bytes)
+                 uint64_t holdout_budget_bytes, bool reject_non_finite)
     : id_(std::move(id)),
       tenant_(std::move(tenant)),
       geometry_(geometry),
+      reject_non_finite_(reject_non_finite),
       backend_(std::move(backend)),
       holdout_(holdout_budget_bytes) {}
 
@@ -33,7 +71,8 @@ absl::StatusOr<std::shared_ptr<Session>> Session::Create(
       CreateBackend(options.backend, geometry, options.backend_options));
   return std::shared_ptr<Session>(new Session(std::move(id), std::move(tenant),
                                               geometry, std::move(backend),
-                                              options.holdout_budget_bytes));
+                                              options.holdout_budget_bytes,
+                                              options.reject_non_finite));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
@@ -47,8 +86,13 @@ absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
                      "} does not match its statistics {",
                      stats.geometry().DebugString(), "}"));
   }
+  if (snapshot.reject_non_finite) {
+    KVCAL_RETURN_IF_ERROR(
+        CheckStateFinite(id, stats, snapshot.holdout_chunks));
+  }
   SessionOptions with_budget = options;
   with_budget.holdout_budget_bytes = snapshot.holdout_budget_bytes;
+  with_budget.reject_non_finite = snapshot.reject_non_finite;
   KVCAL_ASSIGN_OR_RETURN(
       std::shared_ptr<Session> session,
       Create(std::move(id), std::move(tenant), snapshot.geometry, with_budget));
@@ -113,8 +157,29 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
                                       id_, "' keeps its statistics on the ",
                                       backend_->name(), " backend"));
   }
+  // A session with reject_non_finite reads the chunk before anything of it
+  // is applied, and before a new producer is registered: a refused chunk
+  // changes nothing (the watermark stays, so resending cannot skip it).
+  auto check_finite = [&]() -> absl::Status {
+    if (!reject_non_finite_) return absl::OkStatus();
+    absl::StatusOr<ChunkNonFinite> found =
+        cuda != nullptr ? cuda->CountNonFiniteDeviceData(chunk)
+                        : absl::StatusOr<ChunkNonFinite>(
+                              CountNonFinite(chunk, *extent));
+    if (!found.ok()) {
+      return absl::Status(
+          found.status().code(),
+          absl::StrCat(describe(), ": ", found.status().message()));
+    }
+    if (found->total() == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        describe(), ": ", DescribeNonFinite(chunk, *found), "; session '", id_,
+        "' rejects non-finite values (created with reject_non_finite), so "
+        "nothing of the chunk was applied"));
+  };
   std::shared_lock<std::shared_mutex> state_lock(state_mu_);
   Producer* producer = FindProducer(producer_name, false);
+  bool checked_finite = false;
   if (sequence == 0) {
     // Always a duplicate: acknowledged with the producer's watermark (0 for
     // a producer the session does not know, which it does not register).
@@ -128,6 +193,8 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
       return absl::FailedPreconditionError(absl::StrCat(
           describe(), ": sequence gap, expected sequence 1 (watermark 0)"));
     }
+    KVCAL_RETURN_IF_ERROR(check_finite());
+    checked_finite = true;
     producer = FindProducer(producer_name, true);
   }
   std::lock_guard<std::mutex> lock(producer->mu);
@@ -140,6 +207,7 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
         describe(), ": sequence gap, expected sequence ",
         producer->watermark + 1, " (watermark ", producer->watermark, ")"));
   }
+  if (!checked_finite) KVCAL_RETURN_IF_ERROR(check_finite());
   auto apply = [&]() -> absl::Status {
     if (holdout) {
       return holdout_.Add(HoldoutChunk::Of(producer_name, sequence, chunk));
@@ -192,6 +260,7 @@ absl::StatusOr<SessionInfo> Session::Info() {
   info.holdout_bytes = holdout_.bytes();
   info.holdout_chunks = holdout_.chunks();
   info.holdout_batches = holdout_.batches();
+  info.reject_non_finite = reject_non_finite_;
   info.counters.chunks_applied = chunks_applied_.load();
   info.counters.values_ingested = values_ingested_.load();
   info.counters.bytes_ingested = bytes_ingested_.load();
@@ -201,10 +270,13 @@ absl::StatusOr<SessionInfo> Session::Info() {
       nonfinite_cache_generation_ != generation) {
     KVCAL_ASSIGN_OR_RETURN(SessionStatistics stats, backend_->Snapshot());
     nonfinite_cache_ = stats.nonfinite_values();
+    nonfinite_heads_cache_ =
+        FindNonFiniteHeads(stats, {}, kMaxNonFiniteHeadsListed);
     nonfinite_cache_chunks_ = info.counters.chunks_applied;
     nonfinite_cache_generation_ = generation;
   }
   info.counters.nonfinite_values = nonfinite_cache_;
+  info.nonfinite_heads = nonfinite_heads_cache_;
   return info;
 }
 
@@ -216,7 +288,15 @@ absl::StatusOr<ScaleResult> Session::Finalize(const ScaleOptions& options) {
 absl::StatusOr<EvaluatedFinalize> Session::Finalize(
     const EvaluatedFinalizeOptions& options) {
   KVCAL_ASSIGN_OR_RETURN(SessionStatistics stats, backend_->Snapshot());
-  return FinalizeAndEvaluate(stats, holdout_, options);
+  KVCAL_ASSIGN_OR_RETURN(EvaluatedFinalize result,
+                         FinalizeAndEvaluate(stats, holdout_, options));
+  std::vector<uint32_t> layers;
+  for (const LayerScales& l : result.scales.layers) layers.push_back(l.layer);
+  if (!layers.empty()) {
+    result.nonfinite_heads =
+        FindNonFiniteHeads(stats, layers, kMaxNonFiniteHeadsListed);
+  }
+  return result;
 }
 
 absl::StatusOr<SessionSnapshot> Session::Export() {
@@ -235,6 +315,7 @@ absl::StatusOr<SessionSnapshot> Session::Export() {
   snapshot.shard_map = shard_map();
   snapshot.holdout_budget_bytes = holdout_.budget_bytes();
   snapshot.holdout_chunks = holdout_.Chunks();
+  snapshot.reject_non_finite = reject_non_finite_;
   return snapshot;
 }
 
@@ -291,6 +372,10 @@ absl::Status Session::Merge(const SessionSnapshot& snapshot,
   if (!(stats.geometry() == geometry_)) {
     return absl::InvalidArgumentError(
         "state statistics do not match the state's geometry");
+  }
+  if (reject_non_finite_) {
+    KVCAL_RETURN_IF_ERROR(
+        CheckStateFinite(id_, stats, snapshot.holdout_chunks));
   }
   std::unique_lock<std::shared_mutex> state_lock(state_mu_);
   if (!import_id.empty() &&

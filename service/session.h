@@ -37,7 +37,20 @@ struct SessionOptions {
   BackendOptions backend_options;
   // Held-out data budget (CreateSession holdout_budget_bytes); 0 = 64 MiB.
   uint64_t holdout_budget_bytes = 0;
+  // CreateSession reject_non_finite: chunks holding NaN or Inf are refused
+  // (InvalidArgument naming each head and its counts) instead of counted.
+  bool reject_non_finite = false;
 };
+
+// What a CreateSession request sets besides geometry and shard map.
+struct SessionParameters {
+  uint64_t holdout_budget_bytes = 0;  // 0 = 64 MiB
+  bool reject_non_finite = false;
+};
+
+// Session.nonfinite_heads and FinalizeResponse.nonfinite_heads list at most
+// this many heads.
+inline constexpr size_t kMaxNonFiniteHeadsListed = 1024;
 
 struct ProducerInfo {
   std::string producer_id;
@@ -65,6 +78,9 @@ struct SessionInfo {
   uint64_t holdout_bytes = 0;
   uint64_t holdout_chunks = 0;
   uint64_t holdout_batches = 0;
+  bool reject_non_finite = false;
+  // Where counters.nonfinite_values are (kMaxNonFiniteHeadsListed at most).
+  NonFiniteHeads nonfinite_heads;
 };
 
 // All it takes to recreate or merge a session (docs/wire-contract.md).
@@ -77,6 +93,7 @@ struct SessionSnapshot {
   ShardMap shard_map;
   uint64_t holdout_budget_bytes = 0;  // 0 = the default
   std::vector<HoldoutChunk> holdout_chunks;
+  bool reject_non_finite = false;
 };
 
 struct IngestOutcome {
@@ -106,6 +123,7 @@ class Session {
   // The tenant that created the session.
   const std::string& tenant() const { return tenant_; }
   const Geometry& geometry() const { return geometry_; }
+  bool reject_non_finite() const { return reject_non_finite_; }
 
   // Exactly-once ingest of one chunk (docs/wire-contract.md "Ingest"): the
   // chunk is validated first (InvalidArgument), then its sequence: <=
@@ -118,7 +136,10 @@ class Session {
   // FailedPrecondition unless the session's backend is CUDA, which then
   // reads it in place and finishes before this returns (the producer may
   // reuse the memory once the chunk is answered). Held-out chunks are
-  // never device data.
+  // never device data. A session with reject_non_finite refuses a chunk
+  // holding NaN or Inf (InvalidArgument naming each head and its counts,
+  // nothing applied), after the sequence check (duplicates are acknowledged
+  // unread) and before anything of it is applied.
   absl::StatusOr<IngestOutcome> Ingest(absl::string_view producer_id,
                                        uint64_t sequence,
                                        const ChunkView& chunk,
@@ -135,7 +156,8 @@ class Session {
   absl::StatusOr<SessionSnapshot> Export();
 
   // Merges an exported state (same geometry, else InvalidArgument and nothing
-  // changes). With a non-empty import_id that this session already applied,
+  // changes; a session with reject_non_finite refuses a state holding NaN or
+  // Inf values the same way). With a non-empty import_id that this session already applied,
   // nothing changes. Statistics merge, counters add, each producer's
   // watermark becomes the larger of the two.
   absl::Status Merge(const SessionSnapshot& snapshot,
@@ -176,13 +198,14 @@ class Session {
 
   Session(std::string id, std::string tenant, const Geometry& geometry,
           std::unique_ptr<StatisticsBackend> backend,
-          uint64_t holdout_budget_bytes);
+          uint64_t holdout_budget_bytes, bool reject_non_finite);
   Producer* FindProducer(const std::string& producer_id, bool create);
   std::vector<ProducerInfo> ProducerInfos();
 
   const std::string id_;
   const std::string tenant_;
   const Geometry geometry_;
+  const bool reject_non_finite_;
   std::unique_ptr<StatisticsBackend> backend_;
   HoldoutStore holdout_;
 
@@ -199,10 +222,11 @@ class Session {
   std::set<std::string> applied_import_ids_;  // guarded by state_mu_
   std::mutex shard_map_mu_;
   ShardMap shard_map_;  // guarded by shard_map_mu_
-  // nonfinite_values is read from a backend snapshot, cached until the next
-  // applied chunk or merge.
+  // nonfinite_values (and where they are) is read from a backend snapshot,
+  // cached until the next applied chunk or merge.
   std::mutex info_mu_;
   uint64_t nonfinite_cache_ = 0;
+  NonFiniteHeads nonfinite_heads_cache_;
   uint64_t nonfinite_cache_chunks_ = UINT64_MAX;
   uint64_t nonfinite_cache_generation_ = 0;
   std::atomic<uint64_t> generation_{0};  // bumped by Merge

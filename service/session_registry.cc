@@ -129,7 +129,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Build(
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
     absl::string_view tenant, absl::string_view id, const Geometry& geometry,
-    const ShardMap& shard_map, uint64_t holdout_budget_bytes) {
+    const ShardMap& shard_map, const SessionParameters& parameters) {
   KVCAL_RETURN_IF_ERROR(ValidateSessionId(id, /*allow_empty=*/true));
   KVCAL_RETURN_IF_ERROR(geometry.Validate());
   KVCAL_RETURN_IF_ERROR(ValidateShardMap(shard_map, geometry.num_layers));
@@ -139,6 +139,14 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
     auto it = sessions_.find(Key(tenant, id));
     if (it != sessions_.end()) {
       if (it->second->geometry() == geometry) {
+        if (it->second->reject_non_finite() != parameters.reject_non_finite) {
+          return absl::AlreadyExistsError(absl::StrCat(
+              "session '", id, "' exists with reject_non_finite ",
+              it->second->reject_non_finite() ? "true" : "false",
+              "; requested ",
+              parameters.reject_non_finite ? "true" : "false",
+              " (fixed at creation: delete the session or use another id)"));
+        }
         KVCAL_RETURN_IF_ERROR(it->second->AdoptShardMap(shard_map));
         return it->second;
       }
@@ -154,7 +162,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   const uint64_t reserved = Reserve(key, geometry);
   lock.unlock();
   SessionOptions session_options = options_.session;
-  session_options.holdout_budget_bytes = holdout_budget_bytes;
+  session_options.holdout_budget_bytes = parameters.holdout_budget_bytes;
+  session_options.reject_non_finite = parameters.reject_non_finite;
   return Build(
       key, reserved, [&]() -> absl::StatusOr<std::shared_ptr<Session>> {
         KVCAL_ASSIGN_OR_RETURN(

@@ -51,14 +51,15 @@ class SessionRegistry {
  public:
   explicit SessionRegistry(RegistryOptions options);
 
-  // Idempotent: an existing id with an identical geometry returns the
-  // session; a different one is AlreadyExists.
+  // Idempotent: an existing id with an identical geometry and
+  // reject_non_finite returns the session; a different one is AlreadyExists.
   // `shard_map` (may be empty) is validated here and recorded
   // (Session::AdoptShardMap; a different existing map is FailedPrecondition).
-  // `holdout_budget_bytes` (0 = the default) applies to a new session only.
+  // `parameters.holdout_budget_bytes` (0 = the default) applies to a new
+  // session only.
   absl::StatusOr<std::shared_ptr<Session>> Create(
       absl::string_view tenant, absl::string_view id, const Geometry& geometry,
-      const ShardMap& shard_map = {}, uint64_t holdout_budget_bytes = 0);
+      const ShardMap& shard_map = {}, const SessionParameters& parameters = {});
   absl::StatusOr<std::shared_ptr<Session>> Get(absl::string_view tenant,
                                                absl::string_view id);
   // The tenant's sessions, ordered by id.
