@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -31,6 +32,25 @@ void AddCounters(const v1::Session& from, v1::Session& to) {
   to.set_bytes_ingested(to.bytes_ingested() + from.bytes_ingested());
   to.set_nonfinite_values(to.nonfinite_values() + from.nonfinite_values());
   to.set_state_bytes(to.state_bytes() + from.state_bytes());
+  // Each worker lists the heads of its own layers.
+  for (const v1::NonFiniteHead& h : from.nonfinite_heads()) {
+    *to.add_nonfinite_heads() = h;
+  }
+  to.set_nonfinite_heads_total(to.nonfinite_heads_total() +
+                               from.nonfinite_heads_total());
+}
+
+// Orders non-finite heads of several workers as one worker lists them.
+void SortNonFiniteHeads(
+    google::protobuf::RepeatedPtrField<v1::NonFiniteHead>* heads) {
+  std::sort(heads->begin(), heads->end(),
+            [](const v1::NonFiniteHead& a, const v1::NonFiniteHead& b) {
+              return std::tuple(a.layer(), static_cast<int>(a.role()),
+                                a.head()) < std::tuple(b.layer(),
+                                                       static_cast<int>(
+                                                           b.role()),
+                                                       b.head());
+            });
 }
 
 std::string IdList(absl::Span<const std::string> ids) {
@@ -397,8 +417,11 @@ absl::StatusOr<v1::Session> CalibrationClient::GetSession(
       total.set_bytes_ingested(0);
       total.set_nonfinite_values(0);
       total.set_state_bytes(0);
+      total.clear_nonfinite_heads();
+      total.set_nonfinite_heads_total(0);
     }
     AddCounters(session, total);
+    SortNonFiniteHeads(total.mutable_nonfinite_heads());
     for (const v1::ProducerWatermark& p : session.producers()) {
       v1::ProducerWatermark* out = total.add_producers();
       *out = p;
@@ -426,7 +449,10 @@ absl::StatusOr<std::vector<v1::Session>> CalibrationClient::ListSessions() {
     }
   }
   std::vector<v1::Session> sessions;
-  for (auto& [id, s] : by_id) sessions.push_back(std::move(s));
+  for (auto& [id, s] : by_id) {
+    SortNonFiniteHeads(s.mutable_nonfinite_heads());
+    sessions.push_back(std::move(s));
+  }
   return sessions;
 }
 
@@ -579,6 +605,11 @@ absl::StatusOr<v1::FinalizeResponse> CalibrationClient::Finalize(
     for (v1::LayerScales& l : *response.mutable_layers()) {
       *total.add_layers() = std::move(l);
     }
+    for (const v1::NonFiniteHead& h : response.nonfinite_heads()) {
+      *total.add_nonfinite_heads() = h;
+    }
+    total.set_nonfinite_heads_total(total.nonfinite_heads_total() +
+                                    response.nonfinite_heads_total());
     if (!total.has_resolved() && response.has_resolved()) {
       // Every worker resolves the same options; the layers are the caller's.
       *total.mutable_resolved() = response.resolved();
@@ -619,6 +650,7 @@ absl::StatusOr<v1::FinalizeResponse> CalibrationClient::Finalize(
             [](const v1::LayerScales& a, const v1::LayerScales& b) {
               return a.layer() < b.layer();
             });
+  SortNonFiniteHeads(total.mutable_nonfinite_heads());
   return total;
 }
 

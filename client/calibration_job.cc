@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/activation_dump.h"
@@ -21,6 +22,32 @@ const v1::RoleScales& RoleOf(const v1::LayerScales& layer, int role) {
   return role == 0 ? layer.q() : role == 1 ? layer.k() : layer.v();
 }
 
+// Up to kListed heads, one per line, then how many more.
+constexpr int kListed = 16;
+
+// ": " and the lines, or "." when the worker did not say where (older
+// workers).
+std::string NonFiniteLines(
+    const google::protobuf::RepeatedPtrField<v1::NonFiniteHead>& heads,
+    uint64_t total_heads) {
+  if (total_heads == 0) return ".\n";
+  std::string out = absl::StrCat(", in ", total_heads,
+                                 " (layer, role, head) triples:\n");
+  int listed = 0;
+  for (const v1::NonFiniteHead& h : heads) {
+    if (listed == kListed) break;
+    absl::StrAppend(&out, "  layer ", h.layer(), " ",
+                    absl::AsciiStrToUpper(CanonicalName(h.role())),
+                    " head ", h.head(), ": ", h.nan(), " NaN, ", h.inf(),
+                    " Inf\n");
+    ++listed;
+  }
+  if (total_heads > static_cast<uint64_t>(listed)) {
+    absl::StrAppend(&out, "  ... and ", total_heads - listed, " more heads\n");
+  }
+  return out;
+}
+
 std::string Range(const google::protobuf::RepeatedField<float>& values) {
   if (values.empty()) return "-";
   const auto [lo, hi] = std::minmax_element(values.begin(), values.end());
@@ -33,7 +60,7 @@ std::string Range(const google::protobuf::RepeatedField<float>& values) {
 absl::StatusOr<v1::Session> CreateSessionFromConfig(
     CalibrationClient& client, const std::string& config_path,
     const std::string& session_id, uint32_t bins_per_octave,
-    uint64_t holdout_budget_bytes) {
+    uint64_t holdout_budget_bytes, bool reject_non_finite) {
   KVCAL_ASSIGN_OR_RETURN(ModelGeometry g, ReadModelGeometry(config_path));
   v1::CreateSessionRequest request;
   request.set_session_id(session_id);
@@ -43,6 +70,7 @@ absl::StatusOr<v1::Session> CreateSessionFromConfig(
   request.set_head_dim(g.head_dim);
   request.set_histogram_bins_per_octave(bins_per_octave);
   request.set_holdout_budget_bytes(holdout_budget_bytes);
+  request.set_reject_non_finite(reject_non_finite);
   return client.CreateSession(request);
 }
 
@@ -99,6 +127,14 @@ absl::StatusOr<PushSummary> PushDump(CalibrationClient& client,
   KVCAL_RETURN_IF_ERROR(result.status());
   summary.upload = *result;
   summary.elapsed = absl::Now() - start;
+  // What the push leaves behind; its data is in, so a failure here only
+  // costs the report.
+  absl::StatusOr<v1::Session> after = client.GetSession(session_id);
+  if (after.ok()) {
+    summary.after = *std::move(after);
+  } else {
+    summary.after_error = std::string(after.status().message());
+  }
   return summary;
 }
 
@@ -163,6 +199,22 @@ absl::StatusOr<FinalizeSummary> FinalizeToFile(
   return summary;
 }
 
+std::string NonFiniteText(const PushSummary& push) {
+  if (!push.after.has_value()) {
+    return absl::StrCat("warning: could not read the session's non-finite "
+                        "counts after the push: ",
+                        push.after_error, "\n");
+  }
+  const v1::Session& s = *push.after;
+  if (s.nonfinite_values() == 0) return "";
+  return absl::StrCat(
+      "warning: session ", s.session_id(), " holds ", s.nonfinite_values(),
+      " non-finite values (NaN or Inf; counted, left out of every "
+      "statistic)",
+      NonFiniteLines(s.nonfinite_heads(), s.nonfinite_heads_total()),
+      "  (a session created with --reject-non-finite refuses such chunks)\n");
+}
+
 std::string FinalizeTable(const v1::FinalizeResponse& response) {
   std::string out = absl::StrFormat(
       "%5s  %-17s %-17s %-17s %9s %9s %9s %12s\n", "layer", "q_scale",
@@ -181,6 +233,17 @@ std::string FinalizeTable(const v1::FinalizeResponse& response) {
                         layer.layer(), Range(layer.q().scale()),
                         Range(layer.k().scale()), Range(layer.v().scale()),
                         absmax[0], absmax[1], absmax[2], values));
+  }
+  uint64_t nonfinite = 0;
+  for (const v1::LayerScales& layer : response.layers()) {
+    for (int r = 0; r < 3; ++r) nonfinite += RoleOf(layer, r).nonfinite();
+  }
+  if (nonfinite > 0) {
+    absl::StrAppend(
+        &out, "warning: ", nonfinite,
+        " non-finite values (NaN or Inf) were left out of these scales",
+        NonFiniteLines(response.nonfinite_heads(),
+                       response.nonfinite_heads_total()));
   }
   return out;
 }
@@ -299,6 +362,19 @@ Json FinalizeJson(const v1::FinalizeResponse& response) {
   return layers;
 }
 
+Json NonFiniteHeadsJson(
+    const google::protobuf::RepeatedPtrField<v1::NonFiniteHead>& heads) {
+  Json out = Json::array();
+  for (const v1::NonFiniteHead& h : heads) {
+    out.push_back({{"layer", h.layer()},
+                   {"role", CanonicalName(h.role())},
+                   {"head", h.head()},
+                   {"nan", h.nan()},
+                   {"inf", h.inf()}});
+  }
+  return out;
+}
+
 Json SessionJson(const v1::Session& s) {
   Json producers = Json::array();
   for (const v1::ProducerWatermark& p : s.producers()) {
@@ -316,6 +392,9 @@ Json SessionJson(const v1::Session& s) {
           {"values_ingested", s.values_ingested()},
           {"bytes_ingested", s.bytes_ingested()},
           {"nonfinite_values", s.nonfinite_values()},
+          {"nonfinite_heads", NonFiniteHeadsJson(s.nonfinite_heads())},
+          {"nonfinite_heads_total", s.nonfinite_heads_total()},
+          {"reject_non_finite", s.reject_non_finite()},
           {"state_bytes", s.state_bytes()},
           {"holdout_batches", s.holdout_batches()},
           {"holdout_chunks", s.holdout_chunks()},

@@ -11,6 +11,7 @@
 #ifndef KVCAL_CLIENT_CALIBRATION_JOB_H_
 #define KVCAL_CLIENT_CALIBRATION_JOB_H_
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,11 +24,13 @@
 namespace kvcal {
 
 // `holdout_budget_bytes`: held-out data the worker may keep (0 = its
-// default, 64 MiB).
+// default, 64 MiB). `reject_non_finite`: the workers refuse chunks holding
+// NaN or Inf (CreateSessionRequest.reject_non_finite) instead of counting
+// them.
 absl::StatusOr<v1::Session> CreateSessionFromConfig(
     CalibrationClient& client, const std::string& config_path,
     const std::string& session_id, uint32_t bins_per_octave,
-    uint64_t holdout_budget_bytes = 0);
+    uint64_t holdout_budget_bytes = 0, bool reject_non_finite = false);
 
 struct PushSummary {
   UploadResult upload;
@@ -36,7 +39,15 @@ struct PushSummary {
   // Batches sent as held out.
   std::vector<uint64_t> holdout_batches;
   absl::Duration elapsed;
+  // The session after the push (GetSession): its non-finite values and where
+  // they are. Empty when that call failed (then `after_error` says why).
+  std::optional<v1::Session> after;
+  std::string after_error;
 };
+
+// Lines naming the non-finite values a session holds: "" when it holds none.
+// For push's text output.
+std::string NonFiniteText(const PushSummary& push);
 
 // Opens the dump (validated against the session's geometry) and uploads it,
 // with a progress reporter on stderr when `progress`. The last
@@ -61,7 +72,8 @@ absl::StatusOr<FinalizeSummary> FinalizeToFile(
     CalibrationClient& client, const v1::FinalizeRequest& request,
     const std::string& out_path);
 
-// A per-layer table of scales (min..max over heads), absmax and counts.
+// A per-layer table of scales (min..max over heads), absmax and counts,
+// then the (layer, role, head) triples with non-finite values, if any.
 std::string FinalizeTable(const v1::FinalizeResponse& response);
 nlohmann::ordered_json FinalizeJson(const v1::FinalizeResponse& response);
 // The evaluation (evaluate / observer auto) as a per-layer table: error,
@@ -70,6 +82,9 @@ nlohmann::ordered_json FinalizeJson(const v1::FinalizeResponse& response);
 std::string EvaluationTable(const v1::FinalizeResponse& response);
 nlohmann::ordered_json EvaluationJson(const v1::Evaluation& evaluation);
 nlohmann::ordered_json SessionJson(const v1::Session& session);
+// [{"layer", "role" ("q", "k", "v"), "head", "nan", "inf"}, ...]
+nlohmann::ordered_json NonFiniteHeadsJson(
+    const google::protobuf::RepeatedPtrField<v1::NonFiniteHead>& heads);
 
 }  // namespace kvcal
 

@@ -73,6 +73,7 @@ struct Args {
   bool shm = false;
   uint64_t holdout_batches = 0;
   uint64_t holdout_budget_bytes = 0;
+  bool reject_non_finite = false;
   FinalizeArgs finalize;
   std::string output;
   std::string checkpoint;
@@ -223,7 +224,11 @@ Json PushJson(const PushSummary& p) {
           {"seconds", seconds},
           {"mib_per_second", seconds > 0 ? static_cast<double>(p.upload.bytes) /
                                                seconds / (1 << 20)
-                                         : 0.0}};
+                                         : 0.0},
+          {"nonfinite_values", p.after ? p.after->nonfinite_values() : 0},
+          {"nonfinite_heads",
+           p.after ? NonFiniteHeadsJson(p.after->nonfinite_heads())
+                   : Json::array()}};
 }
 
 std::string PushText(const PushSummary& p) {
@@ -235,7 +240,7 @@ std::string PushText(const PushSummary& p) {
       j["seconds"].get<double>(), j["mib_per_second"].get<double>(),
       p.upload.chunks_applied, p.upload.chunks_duplicate,
       p.upload.chunks_skipped, p.upload.reconnects,
-      p.upload.shared_memory ? "; by shared memory" : "");
+      p.upload.shared_memory ? "; by shared memory" : "") + NonFiniteText(p);
 }
 
 Json PatchJson(const PatchReport& r) {
@@ -269,14 +274,15 @@ absl::StatusOr<CommandResult> RunCreate(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(
       v1::Session s,
       CreateSessionFromConfig(client, a.config, a.session, a.histograms,
-                              a.holdout_budget_bytes));
+                              a.holdout_budget_bytes, a.reject_non_finite));
   if (!a.json) {
     std::cout << absl::StrFormat(
         "session %s: %u layers, %u query heads, %u KV heads, head_dim %u, "
-        "%u bins/octave, on %u worker(s)\n",
+        "%u bins/octave, on %u worker(s)%s\n",
         s.session_id(), s.num_layers(), s.num_attention_heads(),
         s.num_key_value_heads(), s.head_dim(), s.histogram_bins_per_octave(),
-        client.worker_count());
+        client.worker_count(),
+        s.reject_non_finite() ? "; chunks with NaN or Inf are refused" : "");
   }
   return CommandResult{SessionJson(s)};
 }
@@ -335,7 +341,9 @@ absl::StatusOr<CommandResult> RunFinalize(const Args& a) {
   Json result{{"output", a.output},
               {"observer", f.scales.observer},
               {"granularity", a.finalize.granularity},
-              {"layers", FinalizeJson(f.response)}};
+              {"layers", FinalizeJson(f.response)},
+              {"nonfinite_heads", NonFiniteHeadsJson(f.response.nonfinite_heads())},
+              {"nonfinite_heads_total", f.response.nonfinite_heads_total()}};
   if (f.response.has_evaluation()) {
     result["evaluation"] = EvaluationJson(f.response.evaluation());
     Json candidates = Json::array();
@@ -408,7 +416,9 @@ absl::StatusOr<CommandResult> RunCalibrate(Args a) {
   if (a.config.empty()) a.config = a.checkpoint + "/config.json";
   KVCAL_ASSIGN_OR_RETURN(
       v1::Session s,
-      CreateSessionFromConfig(client, a.config, a.session, a.histograms));
+      CreateSessionFromConfig(client, a.config, a.session, a.histograms,
+                              /*holdout_budget_bytes=*/0,
+                              a.reject_non_finite));
   if (!a.json) std::cout << "session " << s.session_id() << "\n";
   KVCAL_ASSIGN_OR_RETURN(PushSummary p,
                          PushDump(client, s.session_id(), a.dump_dir,
@@ -565,6 +575,11 @@ CLI::App* AddCreateCommand(CLI::App& app, Args& a) {
   sub->add_option("--holdout-budget-bytes", a.holdout_budget_bytes,
                   "bytes of held-out batches the worker keeps for "
                   "finalize --evaluate (0 = its default, 64 MiB)");
+  sub->add_flag("--reject-non-finite", a.reject_non_finite,
+                "the workers refuse any chunk holding NaN or Inf "
+                "(INVALID_ARGUMENT naming the tensor; nothing of it is "
+                "applied) instead of counting such values and leaving them "
+                "out of the statistics (the default)");
   AddJsonFlag(sub, a);
   return sub;
 }
@@ -674,6 +689,8 @@ CLI::App* AddCalibrateCommand(CLI::App& app, Args& a) {
                 "continue an interrupted run of the same --session and dump: "
                 "the session is reused and the push skips what the workers "
                 "already applied (see push --resume)");
+  sub->add_flag("--reject-non-finite", a.reject_non_finite,
+                "refuse chunks holding NaN or Inf (see create)");
   AddFinalize(sub, a.finalize);
   sub->add_option("-o,--output", a.output,
                   "scales file (default: ./kvcal-scales-SESSION.safetensors)");

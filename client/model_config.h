@@ -8,6 +8,18 @@
 // num_attention_heads) and head_dim (default: hidden_size /
 // num_attention_heads), from the top level or from a nested `text_config`
 // (multimodal models).
+//
+// Attention it does not calibrate is refused (InvalidArgument naming the
+// config key), never read as if it were ordinary attention: DeepSeek-style
+// multi-head latent attention (kv_lora_rank, or a model_type whose config
+// defaults it: deepseek_v2/v3, kimi_k2, ...), separate RoPE/value head sizes
+// (qk_rope_head_dim, qk_nope_head_dim, v_head_dim), encoder-decoder and
+// cross-attention models, hybrid and linear-attention models (layer_types /
+// layers_block_type entries other than full_attention, sliding_attention and
+// chunked_attention; Mamba keys; hybrid layer maps) and layers sharing
+// another layer's KV cache (num_kv_shared_layers). Sliding-window and
+// chunked attention are ordinary attention: vLLM 0.34 quantizes those
+// layers' KV cache with their scales.
 #ifndef KVCAL_CLIENT_MODEL_CONFIG_H_
 #define KVCAL_CLIENT_MODEL_CONFIG_H_
 

@@ -77,6 +77,111 @@ class KvcalError(RuntimeError):
         super().__init__(f"{what}: {name}: {details}")
 
 
+# Attention kvcal does not calibrate (client/model_config.cc has the same
+# rules): refused with the config key that says so, never read as ordinary
+# attention. vLLM 0.34 caches one compressed latent per token for MLA, not
+# per-head K and V.
+_MLA = "DeepSeek-style multi-head latent attention (kv_lora_rank) is not supported yet"
+_MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_mtp", "kimi_k2",
+                    "kimi_linear", "glm4_moe_lite", "glm_moe_dsa", "axk1", "longcat_flash",
+                    "mistral_large_4", "pangu_ultra_moe")
+# Ordinary softmax attention over per-head K and V; vLLM quantizes the KV
+# cache of sliding-window and chunked layers with their scales too.
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+_HYBRID_LAYOUT_KEYS = ("hybrid_override_pattern", "attn_layer_indices", "attn_layer_period",
+                       "attn_layer_offset", "hybrid_layer_ids", "linear_attn_config",
+                       "full_attn_idxs", "full_attention_idx")
+
+
+def _set(config: Mapping, key: str) -> bool:
+    return config.get(key) is not None
+
+
+def attention_problem(config: Mapping) -> Optional[str]:
+    """Why kvcal cannot calibrate the attention `config` (a config.json dict)
+    describes, naming the key; None for ordinary attention."""
+    if _set(config, "kv_lora_rank"):
+        return f"kv_lora_rank {config['kv_lora_rank']}: {_MLA}"
+    if config.get("model_type") in _MLA_MODEL_TYPES:
+        return f"model_type {config['model_type']!r}: {_MLA}"
+    for key in ("qk_rope_head_dim", "qk_nope_head_dim"):
+        if _set(config, key):
+            return (f"{key}: attention with separate RoPE and non-RoPE query/key parts "
+                    f"(DeepSeek style) is not supported yet")
+    if _set(config, "v_head_dim") and config.get("head_dim") != config["v_head_dim"]:
+        return (f"v_head_dim {config['v_head_dim']}: values with a head size other than the keys' "
+                f"(head_dim) are not supported")
+    if config.get("is_encoder_decoder") is True:
+        return ("is_encoder_decoder: encoder-decoder models (cross-attention, an encoder without "
+                "a KV cache) are not supported")
+    if config.get("add_cross_attention") is True:
+        return "add_cross_attention: decoders with cross-attention are not supported"
+    if config.get("cross_attention_layers"):
+        return "cross_attention_layers: models with cross-attention layers are not supported"
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        types = config.get(key)
+        if types is None:
+            continue
+        if not isinstance(types, (list, tuple)):
+            return f"{key}: is {types!r}, not a list"
+        for i, t in enumerate(types):
+            if t not in _ATTENTION_LAYER_TYPES:
+                return (f"{key}[{i}] {t!r}: models with layers other than softmax attention "
+                        f"(linear attention, Mamba or other state-space, convolution or hybrid "
+                        f"layers) are not supported yet; accepted: full_attention, "
+                        f"sliding_attention, chunked_attention")
+    shared = config.get("num_kv_shared_layers")
+    if isinstance(shared, int) and shared != 0:
+        return (f"num_kv_shared_layers {shared}: layers that read another layer's KV cache "
+                f"(Gemma 3n style) are not supported yet")
+    for key in _HYBRID_LAYOUT_KEYS:
+        if _set(config, key):
+            return f"{key}: hybrid models whose layers are not all softmax attention are not supported yet"
+    for key, value in config.items():
+        if str(key).startswith("mamba") and value is not None:
+            return f"{key}: models with Mamba (state-space) layers are not supported yet"
+    return None
+
+
+def _config_dicts(config: Any):
+    """(the whole config, its text model's config) as dicts; a path names a
+    config.json or a model directory."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+    if not isinstance(config, Mapping):
+        if isinstance(config, (list, str, int, float)) or config is None:
+            raise ValueError("kvcal: config.json is not a JSON object")
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+        def as_dict(c):
+            return c.to_dict() if hasattr(c, "to_dict") else dict(vars(c))
+
+        root = as_dict(config)
+        return root, (root if text is config else as_dict(text))
+    text = config
+    if "text_config" in config and "num_hidden_layers" not in config \
+            and isinstance(config["text_config"], Mapping):
+        text = config["text_config"]
+    return config, text
+
+
+def check_attention(config: Any) -> None:
+    """ValueError naming the key when `config` (transformers config,
+    config.json dict or path) has attention kvcal does not calibrate."""
+    _check_attention_dicts(*_config_dicts(config))
+
+
+def _check_attention_dicts(root: Mapping, text: Mapping) -> None:
+    for c in (root, text) if text is not root else (root,):
+        problem = attention_problem(c)
+        if problem is not None:
+            raise ValueError(f"kvcal: config.json: {problem}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     num_layers: int
@@ -88,28 +193,35 @@ class Geometry:
     def from_config(cls, config: Any) -> "Geometry":
         """From a transformers config, a config.json dict, or a path to
         config.json or a model directory."""
-        if isinstance(config, (str, os.PathLike)):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                config = json.load(f)
-        if not isinstance(config, Mapping):
-            if hasattr(config, "get_text_config"):
-                config = config.get_text_config()
-            config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
-        if "text_config" in config and "num_hidden_layers" not in config:
-            config = config["text_config"]
-        try:
-            layers = int(config["num_hidden_layers"])
-            heads = int(config["num_attention_heads"])
-        except KeyError as e:
-            raise ValueError(f"kvcal: config has no {e.args[0]}; pass geometry= instead") from None
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = config.get("head_dim")
-        if not head_dim:
-            head_dim = int(config["hidden_size"]) // heads
-        return cls(layers, heads, kv_heads, int(head_dim))
+        root, config = _config_dicts(config)
+        _check_attention_dicts(root, config)
+
+        def positive(key: str, required: bool) -> Optional[int]:
+            value = config.get(key)
+            if value is None:
+                if required:
+                    raise ValueError(f"kvcal: config has no {key}; pass geometry= instead")
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"kvcal: config.json: {key} is {value!r}, not a positive integer")
+            return value
+
+        layers = positive("num_hidden_layers", True)
+        heads = positive("num_attention_heads", True)
+        kv_heads = positive("num_key_value_heads", False) or heads
+        if heads % kv_heads:
+            raise ValueError(f"kvcal: config.json: num_attention_heads ({heads}) must be a multiple "
+                             f"of num_key_value_heads ({kv_heads})")
+        head_dim = positive("head_dim", False)
+        if head_dim is None:
+            hidden = positive("hidden_size", False)
+            if hidden is None:
+                raise ValueError("kvcal: config.json has neither head_dim nor hidden_size")
+            if hidden % heads:
+                raise ValueError(f"kvcal: config.json: hidden_size {hidden} is not a multiple of "
+                                 f"num_attention_heads {heads} and there is no head_dim")
+            head_dim = hidden // heads
+        return cls(layers, heads, kv_heads, head_dim)
 
 
 def _resolve(name: str, table: Mapping[str, int], aliases: Mapping[str, str], what: str) -> str:
@@ -346,13 +458,20 @@ class Client:
     # -- sessions ------------------------------------------------------------
     def create_session(self, config: Any = None, *, geometry: Union[Geometry, Mapping, None] = None,
                        histograms: int = DEFAULT_HISTOGRAMS, session_id: str = "",
-                       roles: Iterable[str] = (), holdout_budget_bytes: int = 0) -> pb.Session:
+                       roles: Iterable[str] = (), holdout_budget_bytes: int = 0,
+                       reject_non_finite: bool = False) -> pb.Session:
         """Creates a session (or returns the identical existing one) and makes
         it this client's session. Geometry from `config` (transformers config,
-        config.json dict or path) or `geometry` (Geometry or a dict with
-        num_layers, num_attention_heads, num_key_value_heads, head_dim).
+        config.json dict or path; attention kvcal does not calibrate, such as
+        DeepSeek-style MLA, is a ValueError naming the config key) or
+        `geometry` (Geometry or a dict with num_layers, num_attention_heads,
+        num_key_value_heads, head_dim).
         holdout_budget_bytes: bytes of held-out data the worker keeps (0 = its
-        default, 64 MiB)."""
+        default, 64 MiB).
+        reject_non_finite: the workers refuse any chunk holding NaN or Inf
+        (INVALID_ARGUMENT naming layer, role, head and counts; nothing of it is
+        applied, so a Producer stops with a ProducerError) instead of counting
+        such values and leaving them out of the statistics (the default)."""
         if geometry is None:
             if config is None:
                 raise ValueError("kvcal: create_session needs a config or a geometry")
@@ -365,7 +484,8 @@ class Client:
             num_attention_heads=geometry.num_attention_heads,
             num_key_value_heads=geometry.num_key_value_heads, head_dim=geometry.head_dim,
             histogram_bins_per_octave=histograms, roles=role_values,
-            holdout_budget_bytes=int(holdout_budget_bytes))
+            holdout_budget_bytes=int(holdout_budget_bytes),
+            reject_non_finite=bool(reject_non_finite))
         if self.workers is not None:
             if not request.session_id:  # the map depends on the id: the first worker picks it
                 request.session_id = self.workers[0]._call(
@@ -406,18 +526,25 @@ class Client:
         total.CopyFrom(self.check_session_workers(sid))
         del total.producers[:]
         for field in ("chunks_applied", "values_ingested", "bytes_ingested", "nonfinite_values",
-                      "state_bytes", "holdout_bytes", "holdout_chunks", "holdout_batches"):
+                      "state_bytes", "holdout_bytes", "holdout_chunks", "holdout_batches",
+                      "nonfinite_heads_total"):
             setattr(total, field, 0)
+        del total.nonfinite_heads[:]
         for w in self.workers:
             part = w.status(sid)
             for field in ("chunks_applied", "values_ingested", "bytes_ingested",
-                          "nonfinite_values", "state_bytes", "holdout_bytes", "holdout_chunks"):
+                          "nonfinite_values", "state_bytes", "holdout_bytes", "holdout_chunks",
+                          "nonfinite_heads_total"):
                 setattr(total, field, getattr(total, field) + getattr(part, field))
+            total.nonfinite_heads.extend(part.nonfinite_heads)  # each its own layers
             # Every worker holds the same held-out batches, for its own layers.
             total.holdout_batches = max(total.holdout_batches, part.holdout_batches)
             for p in part.producers:
                 total.producers.add(producer_id=f"{w.worker_id}/{p.producer_id}", sequence=p.sequence,
                                     durable_sequence=p.durable_sequence)
+        heads = sorted(total.nonfinite_heads, key=lambda h: (h.layer, h.role, h.head))
+        del total.nonfinite_heads[:]
+        total.nonfinite_heads.extend(heads)
         total.worker_id = ""
         return total
 

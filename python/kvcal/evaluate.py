@@ -173,6 +173,9 @@ class _Quantizer:
     q/k/v with per-head scales and accumulates the error figures."""
 
     def __init__(self, model, scales, kv_only, quantize_probs, q_per_kv_group):
+        from kvcal.client import check_attention
+
+        check_attention(model.config)  # ValueError naming the config key
         c = model.config
         self.layers = c.num_hidden_layers
         self.heads = c.num_attention_heads

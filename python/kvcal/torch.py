@@ -39,6 +39,13 @@ Notes:
   head_dim] tensor per sequence when a padding mask is given.
 - Attention recomputed during backward (gradient checkpointing) is not sent
   again.
+- Refused up front (UnsupportedModelError naming the config key): models
+  whose attention kvcal does not calibrate, checked on `model.config` as
+  Client.create_session checks it: DeepSeek-style multi-head latent
+  attention (kv_lora_rank; vLLM caches a compressed latent, not per-head K
+  and V), encoder-decoder and cross-attention models, hybrid and
+  linear-attention models (layer_types other than full, sliding and chunked
+  attention; Mamba layers) and layers sharing another's KV cache.
 """
 from __future__ import annotations
 
@@ -237,6 +244,14 @@ class _Capture:
 def capture(model, producer, roles=("q", "k", "v")):
     """Streams post-RoPE q, k and v of every attention layer of `model` to
     `producer` for every forward inside the block; see the module docs."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        from kvcal.client import check_attention
+
+        try:
+            check_attention(config)
+        except ValueError as e:
+            raise _unsupported(model, str(e).removeprefix("kvcal: ")) from None
     modules = _attention_modules(model)
     if not modules:
         raise _unsupported(model, "no attention modules with a layer_idx and an attention "

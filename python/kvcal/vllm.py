@@ -252,11 +252,21 @@ def update_attention_scales(model_or_layers: Any, scales: Mapping, *,
 
 # -- finding layers and scales -----------------------------------------------
 
+def _refuse_mla(name: str, module: Any) -> None:
+    """vLLM's MLAAttention caches one compressed latent per token, quantized
+    with k_scale alone: per-head K/V scales do not apply to it."""
+    if type(module).__name__ == "MLAAttention" or hasattr(module, "kv_lora_rank"):
+        from kvcal.client import _MLA
+
+        raise ValueError(f"kvcal: {name} ({type(module).__name__}): {_MLA}")
+
+
 def _attention_layers(model_or_layers: Any, prefix: Optional[str]) -> Dict[int, Tuple[str, Any]]:
     """{L: (name, module)} from a model or a {L: module} mapping."""
     if isinstance(model_or_layers, Mapping):
         out = {}
         for index, module in model_or_layers.items():
+            _refuse_mla(f"layer {index}", module)
             if isinstance(index, bool) or not isinstance(index, int) or index < 0:
                 raise ValueError(f"kvcal: layer mapping keys must be layer indices, got {index!r}")
             out[index] = (getattr(module, "layer_name", None) or f"layer {index}", module)
@@ -268,6 +278,8 @@ def _attention_layers(model_or_layers: Any, prefix: Optional[str]) -> Dict[int, 
                          f"got {type(model_or_layers).__name__}")
     stacks: Dict[str, Dict[int, Tuple[str, Any]]] = {}
     for name, module in model_or_layers.named_modules():
+        if hasattr(module, "_k_scale"):
+            _refuse_mla(name, module)
         m = _ATTENTION_PATH.fullmatch(name)
         if m is None or not hasattr(module, "_k_scale"):
             continue

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/model_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -241,6 +242,141 @@ TEST(ModelConfigTest, RejectsBadGeometry) {
           .status(),
       StatusIs(absl::StatusCode::kInvalidArgument,
                HasSubstr("num_hidden_layers is -1")));
+}
+
+// Attention kvcal does not calibrate is refused, naming the key; geometry
+// read from such a config would be wrong, not merely incomplete.
+absl::Status ConfigStatus(const char* json) {
+  return ModelGeometryFromConfig(Json::parse(json)).status();
+}
+
+constexpr char kMla[] =
+    "DeepSeek-style multi-head latent attention (kv_lora_rank) is not "
+    "supported yet";
+
+TEST(ModelConfigTest, RefusesMultiHeadLatentAttention) {
+  // DeepSeek-V3's config.json (less the MoE fields): read as ordinary
+  // attention it would be 128 KV heads of head_dim 56.
+  EXPECT_THAT(
+      ConfigStatus(R"({"model_type": "deepseek_v3", "num_hidden_layers": 61,
+          "num_attention_heads": 128, "num_key_value_heads": 128,
+          "hidden_size": 7168, "kv_lora_rank": 512, "q_lora_rank": 1536,
+          "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+          "v_head_dim": 128})"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr(absl::StrCat("config.json: kv_lora_rank 512: ", kMla))));
+  // kv_lora_rank left to the config class's default.
+  EXPECT_THAT(
+      ConfigStatus(R"({"model_type": "kimi_k2", "num_hidden_layers": 2,
+          "num_attention_heads": 4, "hidden_size": 32})"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr(absl::StrCat("model_type \"kimi_k2\": ", kMla))));
+  // Inside a multimodal model's text_config.
+  EXPECT_THAT(
+      ConfigStatus(R"({"model_type": "some_vl", "text_config": {
+          "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32,
+          "kv_lora_rank": 64}})"),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(kMla)));
+  // Split RoPE head dims without a latent (DeepSeek-V2 with
+  // kv_lora_rank null): per-head, but q/k and v head sizes differ.
+  EXPECT_THAT(
+      ConfigStatus(R"({"num_hidden_layers": 2, "num_attention_heads": 4,
+          "hidden_size": 32, "kv_lora_rank": null, "qk_rope_head_dim": 8,
+          "qk_nope_head_dim": 8, "v_head_dim": 8})"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("config.json: qk_rope_head_dim: attention with "
+                         "separate RoPE and non-RoPE")));
+  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 2, "num_attention_heads": 4,
+          "head_dim": 16, "v_head_dim": 8})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("config.json: v_head_dim 8: values with a "
+                                 "head size other than the keys'")));
+}
+
+TEST(ModelConfigTest, RefusesCrossAttention) {
+  EXPECT_THAT(
+      ConfigStatus(R"({"model_type": "bart", "is_encoder_decoder": true,
+          "num_hidden_layers": 12, "num_attention_heads": 16,
+          "hidden_size": 1024})"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("config.json: is_encoder_decoder: encoder-decoder "
+                         "models")));
+  // Llama 3.2 Vision (mllama): cross-attention layers in the text model.
+  EXPECT_THAT(
+      ConfigStatus(R"({"model_type": "mllama", "text_config": {
+          "num_hidden_layers": 40, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "hidden_size": 4096,
+          "cross_attention_layers": [3, 8, 13]}})"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("config.json: cross_attention_layers: models with "
+                         "cross-attention layers")));
+  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 2, "num_attention_heads": 4,
+          "hidden_size": 32, "add_cross_attention": true})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("add_cross_attention")));
+}
+
+TEST(ModelConfigTest, RefusesHybridAndLinearAttentionLayers) {
+  // Qwen3-Next: Gated DeltaNet layers between attention layers.
+  EXPECT_THAT(
+      ConfigStatus(R"({"num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 8, "layer_types":
+          ["linear_attention", "linear_attention", "linear_attention",
+           "full_attention"]})"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("config.json: layer_types[0] \"linear_attention\": "
+                         "models with layers other than softmax attention")));
+  // Jamba-style block list, LFM2's convolutions.
+  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 2, "num_attention_heads": 4,
+          "hidden_size": 32, "layers_block_type": ["attention", "mamba"]})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("layers_block_type[1] \"mamba\"")));
+  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 2, "num_attention_heads": 4,
+          "hidden_size": 32, "layer_types": ["conv", "full_attention"]})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("layer_types[0] \"conv\"")));
+  // Nemotron-H's pattern, Mamba keys, Gemma 3n's KV sharing.
+  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 4, "num_attention_heads": 4,
+          "hidden_size": 32, "hybrid_override_pattern": "M-M*"})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("config.json: hybrid_override_pattern: "
+                                 "hybrid models")));
+  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 4, "num_attention_heads": 4,
+          "hidden_size": 32, "mamba_d_state": 16})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("config.json: mamba_d_state: models with "
+                                 "Mamba")));
+  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 4, "num_attention_heads": 4,
+          "hidden_size": 32, "num_kv_shared_layers": 2})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("num_kv_shared_layers 2: layers that read "
+                                 "another layer's KV cache")));
+  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 2, "num_attention_heads": 4,
+          "hidden_size": 32, "layer_types": "full_attention"})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("layer_types: is \"full_attention\", not a "
+                                 "list")));
+}
+
+// Sliding-window and chunked layers are ordinary attention: vLLM 0.34
+// quantizes their KV cache with the layer's scales. Null keys are absent.
+TEST(ModelConfigTest, AcceptsSlidingWindowAndChunkedAttention) {
+  auto g = ModelGeometryFromConfig(Json::parse(
+      R"({"model_type": "gemma3_text", "num_hidden_layers": 3,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+          "sliding_window": 512, "layer_types": ["sliding_attention",
+          "chunked_attention", "full_attention"], "kv_lora_rank": null,
+          "mamba_d_state": null, "num_kv_shared_layers": 0,
+          "is_encoder_decoder": false, "v_head_dim": 256})"));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(*g, (ModelGeometry{3, 8, 4, 256}));
+  // Mistral 7B v0.1: every layer a 4096-token window.
+  g = ModelGeometryFromConfig(Json::parse(
+      R"({"model_type": "mistral", "num_hidden_layers": 32,
+          "num_attention_heads": 32, "num_key_value_heads": 8,
+          "hidden_size": 4096, "sliding_window": 4096})"));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(*g, (ModelGeometry{32, 32, 8, 128}));
 }
 
 }  // namespace
