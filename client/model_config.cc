@@ -72,7 +72,9 @@ absl::Status CheckAttentionKind(const Json& config) {
     return refuse(absl::StrCat("kv_lora_rank ", config["kv_lora_rank"].dump()),
                   kMla);
   }
-  if (config.contains("model_type") && config["model_type"].is_string()) {
+  // (An explicit null kv_lora_rank is no latent: the checks below decide.)
+  if (!config.contains("kv_lora_rank") && config.contains("model_type") &&
+      config["model_type"].is_string()) {
     const std::string type = config["model_type"].get<std::string>();
     for (const char* mla : kMlaModelTypes) {
       if (type == mla) {
@@ -116,6 +118,15 @@ absl::Status CheckAttentionKind(const Json& config) {
     const Json& types = config[key];
     if (!types.is_array()) {
       return refuse(key, absl::StrCat("is ", types.dump(), ", not a list"));
+    }
+    if (IsSet(config, "num_hidden_layers") &&
+        config["num_hidden_layers"].is_number_integer() &&
+        config["num_hidden_layers"].get<int64_t>() !=
+            static_cast<int64_t>(types.size())) {
+      return refuse(key, absl::StrCat("has ", types.size(),
+                                      " entries for num_hidden_layers ",
+                                      config["num_hidden_layers"].dump(),
+                                      " layers"));
     }
     for (size_t i = 0; i < types.size(); ++i) {
       bool attention = false;

@@ -102,7 +102,8 @@ def attention_problem(config: Mapping) -> Optional[str]:
     describes, naming the key; None for ordinary attention."""
     if _set(config, "kv_lora_rank"):
         return f"kv_lora_rank {config['kv_lora_rank']}: {_MLA}"
-    if config.get("model_type") in _MLA_MODEL_TYPES:
+    # (An explicit null kv_lora_rank is no latent: the checks below decide.)
+    if "kv_lora_rank" not in config and config.get("model_type") in _MLA_MODEL_TYPES:
         return f"model_type {config['model_type']!r}: {_MLA}"
     for key in ("qk_rope_head_dim", "qk_nope_head_dim"):
         if _set(config, key):
@@ -124,6 +125,9 @@ def attention_problem(config: Mapping) -> Optional[str]:
             continue
         if not isinstance(types, (list, tuple)):
             return f"{key}: is {types!r}, not a list"
+        layers = config.get("num_hidden_layers")
+        if isinstance(layers, int) and layers != len(types):
+            return f"{key}: has {len(types)} entries for num_hidden_layers {layers} layers"
         for i, t in enumerate(types):
             if t not in _ATTENTION_LAYER_TYPES:
                 return (f"{key}[{i}] {t!r}: models with layers other than softmax attention "

@@ -280,7 +280,8 @@ TEST(ModelConfigTest, RefusesMultiHeadLatentAttention) {
   // Split RoPE head dims without a latent (DeepSeek-V2 with
   // kv_lora_rank null): per-head, but q/k and v head sizes differ.
   EXPECT_THAT(
-      ConfigStatus(R"({"num_hidden_layers": 2, "num_attention_heads": 4,
+      ConfigStatus(R"({"model_type": "deepseek_v2", "num_hidden_layers": 2,
+          "num_attention_heads": 4,
           "hidden_size": 32, "kv_lora_rank": null, "qk_rope_head_dim": 8,
           "qk_nope_head_dim": 8, "v_head_dim": 8})"),
       StatusIs(absl::StatusCode::kInvalidArgument,
@@ -351,6 +352,11 @@ TEST(ModelConfigTest, RefusesHybridAndLinearAttentionLayers) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("num_kv_shared_layers 2: layers that read "
                                  "another layer's KV cache")));
+  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 2, "num_attention_heads": 4,
+          "hidden_size": 32, "layer_types": ["full_attention"]})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("config.json: layer_types: has 1 entries "
+                                 "for num_hidden_layers 2 layers")));
   EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 2, "num_attention_heads": 4,
           "hidden_size": 32, "layer_types": "full_attention"})"),
               StatusIs(absl::StatusCode::kInvalidArgument,
