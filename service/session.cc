@@ -18,12 +18,19 @@ std::string ResolveProducerId(absl::string_view producer_id) {
 
 namespace {
 
-// For a session with reject_non_finite: InvalidArgument when an exported
-// state would bring NaN or Inf values in (statistics or held-out chunks).
+constexpr absl::string_view kHoldoutMustBeFinite =
+    "held-out chunks must be finite (Finalize's evaluation runs attention on "
+    "them)";
+
+// InvalidArgument when a state would bring NaN or Inf values into session
+// `session_id`: in held-out chunks always (as Ingest refuses them), in the
+// statistics when the session has reject_non_finite.
 absl::Status CheckStateFinite(const std::string& session_id,
+                              bool reject_non_finite,
                               const SessionStatistics& stats,
                               const std::vector<HoldoutChunk>& holdout) {
-  const NonFiniteHeads found = FindNonFiniteHeads(stats, {}, 1);
+  const NonFiniteHeads found =
+      reject_non_finite ? FindNonFiniteHeads(stats, {}, 1) : NonFiniteHeads{};
   if (found.total_heads > 0) {
     const NonFiniteHead& h = found.heads.front();
     return absl::InvalidArgumentError(absl::StrCat(
@@ -42,9 +49,8 @@ absl::Status CheckStateFinite(const std::string& session_id,
     if (nonfinite.total() > 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the state's held-out chunk ", c.sequence, " from producer '",
-          c.producer_id, "' holds ", DescribeNonFinite(view, nonfinite),
-          " and session '", session_id,
-          "' rejects non-finite values (created with reject_non_finite)"));
+          c.producer_id, "' holds ", DescribeNonFinite(view, nonfinite), "; ",
+          kHoldoutMustBeFinite));
     }
   }
   return absl::OkStatus();
@@ -86,10 +92,8 @@ absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
                      "} does not match its statistics {",
                      stats.geometry().DebugString(), "}"));
   }
-  if (snapshot.reject_non_finite) {
-    KVCAL_RETURN_IF_ERROR(
-        CheckStateFinite(id, stats, snapshot.holdout_chunks));
-  }
+  KVCAL_RETURN_IF_ERROR(CheckStateFinite(
+      id, snapshot.reject_non_finite, stats, snapshot.holdout_chunks));
   SessionOptions with_budget = options;
   with_budget.holdout_budget_bytes = snapshot.holdout_budget_bytes;
   with_budget.reject_non_finite = snapshot.reject_non_finite;
@@ -157,11 +161,12 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
                                       id_, "' keeps its statistics on the ",
                                       backend_->name(), " backend"));
   }
-  // A session with reject_non_finite reads the chunk before anything of it
-  // is applied, and before a new producer is registered: a refused chunk
-  // changes nothing (the watermark stays, so resending cannot skip it).
+  // A held-out chunk, and any chunk of a session with reject_non_finite, is
+  // read before anything of it is applied, and before a new producer is
+  // registered: a refused chunk changes nothing (the watermark stays, so
+  // resending cannot skip it).
   auto check_finite = [&]() -> absl::Status {
-    if (!reject_non_finite_) return absl::OkStatus();
+    if (!reject_non_finite_ && !holdout) return absl::OkStatus();
     absl::StatusOr<ChunkNonFinite> found =
         cuda != nullptr ? cuda->CountNonFiniteDeviceData(chunk)
                         : absl::StatusOr<ChunkNonFinite>(
@@ -172,6 +177,11 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
           absl::StrCat(describe(), ": ", found.status().message()));
     }
     if (found->total() == 0) return absl::OkStatus();
+    if (!reject_non_finite_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(describe(), ": ", DescribeNonFinite(chunk, *found), "; ",
+                       kHoldoutMustBeFinite, ", so nothing of it was kept"));
+    }
     return absl::InvalidArgumentError(absl::StrCat(
         describe(), ": ", DescribeNonFinite(chunk, *found), "; session '", id_,
         "' rejects non-finite values (created with reject_non_finite), so "
@@ -373,10 +383,8 @@ absl::Status Session::Merge(const SessionSnapshot& snapshot,
     return absl::InvalidArgumentError(
         "state statistics do not match the state's geometry");
   }
-  if (reject_non_finite_) {
-    KVCAL_RETURN_IF_ERROR(
-        CheckStateFinite(id_, stats, snapshot.holdout_chunks));
-  }
+  KVCAL_RETURN_IF_ERROR(CheckStateFinite(id_, reject_non_finite_, stats,
+                                         snapshot.holdout_chunks));
   std::unique_lock<std::shared_mutex> state_lock(state_mu_);
   if (!import_id.empty() &&
       applied_import_ids_.count(std::string(import_id)) > 0) {

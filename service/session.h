@@ -139,7 +139,8 @@ class Session {
   // never device data. A session with reject_non_finite refuses a chunk
   // holding NaN or Inf (InvalidArgument naming each head and its counts,
   // nothing applied), after the sequence check (duplicates are acknowledged
-  // unread) and before anything of it is applied.
+  // unread) and before anything of it is applied; every session refuses a
+  // held-out chunk holding one (evaluation runs attention on it).
   absl::StatusOr<IngestOutcome> Ingest(absl::string_view producer_id,
                                        uint64_t sequence,
                                        const ChunkView& chunk,
@@ -156,8 +157,8 @@ class Session {
   absl::StatusOr<SessionSnapshot> Export();
 
   // Merges an exported state (same geometry, else InvalidArgument and nothing
-  // changes; a session with reject_non_finite refuses a state holding NaN or
-  // Inf values the same way). With a non-empty import_id that this session already applied,
+  // changes; a state with NaN or Inf in a held-out chunk, or anywhere for a
+  // session with reject_non_finite, is refused the same way). With a non-empty import_id that this session already applied,
   // nothing changes. Statistics merge, counters add, each producer's
   // watermark becomes the larger of the two.
   absl::Status Merge(const SessionSnapshot& snapshot,

@@ -84,6 +84,29 @@ def test_push_and_finalize_name_nonfinite_heads(make_worker, kvcal_cli, tmp_path
     assert r.returncode == 0 and "non-finite" not in r.stdout, r.stdout
 
 
+def test_held_out_batches_must_be_finite(make_worker, kvcal_cli, tmp_path):
+    """Finalize --evaluate runs attention on held-out batches: a NaN there
+    made every error NaN and --observer auto choose on NaN. Such a chunk is
+    refused in every session, counting ones included."""
+    w = make_worker()
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CONFIG))
+    r = run(kvcal_cli, "create", "--server", w.target, "--config", str(config), "--session", "h")
+    assert r.returncode == 0, r.stderr
+    dumps = write_dump(str(tmp_path / "dumps"), batches=3, nan_in=(2, 1, "v"))
+    r = run(kvcal_cli, "push", "--server", w.target, "--session", "h", "--holdout-batches", "1",
+            dumps)
+    assert r.returncode != 0, r.stdout
+    assert ("640 non-finite values (640 NaN, 0 Inf) in layer 1 V: head 0 (320 NaN, 0 Inf), "
+            "head 1 (320 NaN, 0 Inf); held-out chunks must be finite") in r.stderr, r.stderr
+    s = status_json(kvcal_cli, w.target, "h")
+    assert s["holdout_chunks"] == 5 and s["nonfinite_values"] == 0
+    r = run(kvcal_cli, "finalize", "--server", w.target, "--session", "h", "--evaluate",
+            "-o", str(tmp_path / "s.safetensors"))
+    assert r.returncode != 0  # layer 1's held-out V is missing: no NaN error figures
+    assert "nan%" not in r.stdout
+
+
 def write_one_inf_bf16(directory):
     """One [40, 4, 8] bf16 q tensor of layer 0 with a single +Inf (token 7,
     head 2, dim 5) among finite values."""

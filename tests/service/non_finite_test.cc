@@ -208,6 +208,33 @@ TEST(NonFiniteSessionTest, PiecesAndHeldOutChunksAreCheckedToo) {
   ExpectSameState(*before, *after);
 }
 
+// Held-out chunks are kept whole for Finalize's evaluation, which runs
+// attention on them: a NaN or Inf would make every error NaN (and auto pick
+// an observer on NaN). Every session refuses them, counting or not.
+TEST(NonFiniteSessionTest, HeldOutChunksMustBeFiniteInEverySession) {
+  auto session = MakeSession(false);
+  ASSERT_NE(session, nullptr);
+  Chunk held(1, Role::kV, 4, 2, /*batch=*/3);
+  held.Set(3, 1, 0, kInf);
+  auto refused = session->Ingest("p", 1, held.view, /*holdout=*/true);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("chunk 1 from producer 'p': 1 non-finite values (0 "
+                        "NaN, 1 Inf) in layer 1 V: head 1 (0 NaN, 1 Inf); "
+                        "held-out chunks must be finite"));
+  auto info = session->Info();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->holdout_chunks, 0u);
+  EXPECT_TRUE(info->producers.empty());
+  // The same values as a calibration chunk are counted, as always.
+  auto counted = session->Ingest("p", 1, held.view);
+  ASSERT_TRUE(counted.ok()) << counted.status();
+  EXPECT_TRUE(counted->applied);
+  info = session->Info();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->counters.nonfinite_values, 1u);
+}
+
 TEST(NonFiniteSessionTest, ImportsCannotBringNonFiniteValuesIn) {
   auto counting = MakeSession(false);
   ASSERT_NE(counting, nullptr);
@@ -231,15 +258,28 @@ TEST(NonFiniteSessionTest, ImportsCannotBringNonFiniteValuesIn) {
   ExpectSameState(*before, *after);
   EXPECT_TRUE(after->applied_import_ids.empty());
 
-  // A held-out chunk with a NaN in the state: refused as well.
-  auto clean_holdout = MakeSession(false);
+  // A held-out chunk with a NaN in the state (from an older worker: this
+  // one refuses such chunks): refused by every session.
+  auto holdout_source = MakeSession(false);
   Chunk held(0, Role::kQ, 2, 4, 5);
-  held.Set(1, 1, 1, kNaN);
-  ASSERT_TRUE(clean_holdout->Ingest("p", 1, held.view, true).ok());
-  auto holdout_state = clean_holdout->Export();
+  ASSERT_TRUE(holdout_source->Ingest("p", 1, held.view, true).ok());
+  auto holdout_state = holdout_source->Export();
   ASSERT_TRUE(holdout_state.ok());
-  EXPECT_THAT(std::string(rejecting->Merge(*holdout_state, "").message()),
-              HasSubstr("held-out chunk 1 from producer 'p'"));
+  ASSERT_EQ(holdout_state->holdout_chunks.size(), 1u);
+  const float nan = kNaN;
+  std::memcpy(holdout_state->holdout_chunks[0].data.data() + 4 * (4 * 8 + 1),
+              &nan, sizeof(nan));
+  for (bool reject : {true, false}) {
+    auto target = MakeSession(reject);
+    const absl::Status refused = target->Merge(*holdout_state, "");
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(refused.message()),
+                HasSubstr("held-out chunk 1 from producer 'p' holds 1 "
+                          "non-finite values (1 NaN, 0 Inf) in layer 0 Q: "
+                          "head 0 (1 NaN, 0 Inf); held-out chunks must be "
+                          "finite"));
+    EXPECT_EQ(target->holdout().chunks(), 0u);
+  }
 
   // A state that says reject but holds NaN (not written by a worker) does
   // not become a session.
