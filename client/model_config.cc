@@ -1,6 +1,7 @@
 #include "client/model_config.h"
 
 #include <optional>
+#include <string_view>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -119,15 +120,6 @@ absl::Status CheckAttentionKind(const Json& config) {
     if (!types.is_array()) {
       return refuse(key, absl::StrCat("is ", types.dump(), ", not a list"));
     }
-    if (IsSet(config, "num_hidden_layers") &&
-        config["num_hidden_layers"].is_number_integer() &&
-        config["num_hidden_layers"].get<int64_t>() !=
-            static_cast<int64_t>(types.size())) {
-      return refuse(key, absl::StrCat("has ", types.size(),
-                                      " entries for num_hidden_layers ",
-                                      config["num_hidden_layers"].dump(),
-                                      " layers"));
-    }
     for (size_t i = 0; i < types.size(); ++i) {
       bool attention = false;
       if (types[i].is_string()) {
@@ -143,6 +135,17 @@ absl::Status CheckAttentionKind(const Json& config) {
             "layers) are not supported yet; accepted: full_attention, "
             "sliding_attention, chunked_attention");
       }
+    }
+    // (block_types is a pattern that repeats over the layers.)
+    if (std::string_view(key) != "block_types" &&
+        IsSet(config, "num_hidden_layers") &&
+        config["num_hidden_layers"].is_number_integer() &&
+        config["num_hidden_layers"].get<int64_t>() !=
+            static_cast<int64_t>(types.size())) {
+      return refuse(key, absl::StrCat("has ", types.size(),
+                                      " entries for num_hidden_layers ",
+                                      config["num_hidden_layers"].dump(),
+                                      " layers"));
     }
   }
   if (config.contains("num_kv_shared_layers") &&

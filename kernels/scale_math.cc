@@ -530,22 +530,36 @@ absl::Status CheckMissing(const SessionStatistics& stats,
   const Geometry& g = stats.geometry();
   std::vector<std::string> missing;
   uint64_t missing_count = 0;
+  // Of those, the ones that saw values, all NaN or Inf.
+  uint64_t nonfinite_only = 0;
+  std::string first_nonfinite;
   for (uint32_t layer : selected) {
     for (Role role : g.roles()) {
       for (uint32_t head = 0; head < g.heads(role); ++head) {
-        if (stats.head(layer, role, head).finite_count != 0) continue;
+        const HeadStatistics& h = stats.head(layer, role, head);
+        if (h.finite_count != 0) continue;
         ++missing_count;
         if (missing.size() < 20)
           missing.push_back(TripleName(layer, role, head));
+        if (h.nonfinite_count() != 0 && nonfinite_only++ == 0) {
+          first_nonfinite = absl::StrCat(TripleName(layer, role, head), ": ",
+                                         h.nan_count, " NaN, ", h.inf_count,
+                                         " Inf");
+        }
       }
     }
   }
   if (missing_count == 0 || allow_missing) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat(missing_count, " (layer, role, head) triples have no data: ",
-                   absl::StrJoin(missing, ", "),
-                   missing_count > missing.size() ? ", ..." : "",
-                   " (set allow_missing to finalize the rest)"));
+  return absl::FailedPreconditionError(absl::StrCat(
+      missing_count, " (layer, role, head) triples have no data: ",
+      absl::StrJoin(missing, ", "),
+      missing_count > missing.size() ? ", ..." : "",
+      nonfinite_only == 0
+          ? ""
+          : absl::StrCat("; ", nonfinite_only,
+                         " of them saw only non-finite values (first ",
+                         first_nonfinite, ")"),
+      " (set allow_missing to finalize the rest)"));
 }
 
 // The scales of one (layer, role): per tensor, per head, or per head then
@@ -606,8 +620,12 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
         "created with histogram_bins_per_octave = 0");
   }
   if (stats.finite_values() == 0) {
-    return absl::FailedPreconditionError(
-        "the session has no finite values: nothing to calibrate");
+    const uint64_t nonfinite = stats.nonfinite_values();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the session has no finite values: nothing to calibrate",
+        nonfinite == 0 ? ""
+                       : absl::StrCat(" (it saw only ", nonfinite,
+                                      " NaN or Inf values)")));
   }
   KVCAL_ASSIGN_OR_RETURN(const std::vector<uint32_t> selected,
                          SelectLayers(g, options.layers));

@@ -125,15 +125,15 @@ def attention_problem(config: Mapping) -> Optional[str]:
             continue
         if not isinstance(types, (list, tuple)):
             return f"{key}: is {types!r}, not a list"
-        layers = config.get("num_hidden_layers")
-        if isinstance(layers, int) and layers != len(types):
-            return f"{key}: has {len(types)} entries for num_hidden_layers {layers} layers"
         for i, t in enumerate(types):
             if t not in _ATTENTION_LAYER_TYPES:
                 return (f"{key}[{i}] {t!r}: models with layers other than softmax attention "
                         f"(linear attention, Mamba or other state-space, convolution or hybrid "
                         f"layers) are not supported yet; accepted: full_attention, "
                         f"sliding_attention, chunked_attention")
+        layers = config.get("num_hidden_layers")  # (block_types is a repeating pattern)
+        if key != "block_types" and isinstance(layers, int) and layers != len(types):
+            return f"{key}: has {len(types)} entries for num_hidden_layers {layers} layers"
     shared = config.get("num_kv_shared_layers")
     if isinstance(shared, int) and shared != 0:
         return (f"num_kv_shared_layers {shared}: layers that read another layer's KV cache "

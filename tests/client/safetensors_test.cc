@@ -336,6 +336,12 @@ TEST(ModelConfigTest, RefusesHybridAndLinearAttentionLayers) {
           "hidden_size": 32, "layer_types": ["conv", "full_attention"]})"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("layer_types[0] \"conv\"")));
+  // RecurrentGemma: block_types is a pattern repeated over the layers.
+  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 26, "num_attention_heads": 4,
+          "hidden_size": 32, "block_types": ["recurrent", "recurrent",
+          "attention"]})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("block_types[0] \"recurrent\"")));
   // Nemotron-H's pattern, Mamba keys, Gemma 3n's KV sharing.
   EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 4, "num_attention_heads": 4,
           "hidden_size": 32, "hybrid_override_pattern": "M-M*"})"),
