@@ -313,3 +313,50 @@ def test_vllm_update_refuses_mla_layers():
     with pytest.raises(ValueError, match="DeepSeek-style multi-head latent attention"):
         kvcal.vllm.update_attention_scales({0: model.layers[0].self_attn.mla_attn}, scales)
     assert float(model.layers[0].self_attn.mla_attn._k_scale) == 1.0
+
+
+def test_sharded_sessions_list_every_workers_heads(make_worker, kvcal_cli, tmp_path):
+    """Each worker lists the heads of its own layers; both clients put the
+    lists together in (layer, role, head) order."""
+    from kvcal.sharding import layer_owners
+
+    w0 = make_worker(extra_args=("--worker-id", "w0"))
+    w1 = make_worker(extra_args=("--worker-id", "w1"))
+    servers = f"{w0.target},{w1.target}"
+    # A session id whose two layers land on different workers.
+    sid = next(f"two-{i}" for i in range(100)
+               if len(set(layer_owners(f"two-{i}", 2, ["w0", "w1"]))) == 2)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CONFIG))
+    r = run(kvcal_cli, "create", "--server", servers, "--config", str(config), "--session", sid)
+    assert r.returncode == 0, r.stderr
+    from safetensors.numpy import save_file
+
+    dumps = tmp_path / "dumps"
+    os.makedirs(dumps)
+    tensors = {}
+    for layer in range(2):
+        for role, heads in (("q", 4), ("k", 2), ("v", 2)):
+            x = np.ones((3, heads, 8), np.float32)
+            if role == "k":
+                x[0, layer, layer] = np.inf if layer else np.nan  # layer 0 head 0, layer 1 head 1
+            tensors[f"model.layers.{layer}.self_attn.{role}"] = x
+    save_file(tensors, str(dumps / "b.safetensors"))
+    r = run(kvcal_cli, "push", "--server", servers, "--session", sid, str(dumps))
+    assert r.returncode == 0, r.stderr
+    assert ("holds 2 non-finite values (NaN or Inf; counted, left out of every statistic), in 2 "
+            "(layer, role, head) triples:\n  layer 0 K head 0: 1 NaN, 0 Inf\n"
+            "  layer 1 K head 1: 0 NaN, 1 Inf\n") in r.stdout, r.stdout
+    client = kvcal.Client(servers, session_id=sid)
+    assert [w.status(sid).nonfinite_heads_total for w in client.workers] == [1, 1]
+    s = client.status()
+    assert s.nonfinite_heads_total == 2
+    assert [(h.layer, h.role, h.head, h.nan, h.inf) for h in s.nonfinite_heads] == [
+        (0, pb.ROLE_K, 0, 1, 0), (1, pb.ROLE_K, 1, 0, 1)]
+    r = run(kvcal_cli, "finalize", "--server", servers, "--session", sid, "--json",
+            "-o", str(tmp_path / "s.safetensors"))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["nonfinite_heads_total"] == 2
+    assert [(h["layer"], h["role"], h["head"]) for h in out["nonfinite_heads"]] == [
+        (0, "k", 0), (1, "k", 1)]
