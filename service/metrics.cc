@@ -150,13 +150,19 @@ absl::Status MetricsHttpServer::Start(const std::string& address) {
   if (listen_fd_ < 0) return absl::InternalError("socket() failed");
   const int one = 1;
   setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  // SO_REUSEADDR only, never SO_REUSEPORT: a second worker on the same
+  // metrics port fails here instead of sharing it.
   if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
       listen(listen_fd_, 16) != 0) {
-    const std::string error = std::strerror(errno);
+    const int error = errno;
     close(listen_fd_);
     listen_fd_ = -1;
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", address, " for metrics: ", error));
+    if (error == EADDRINUSE) {
+      return absl::UnavailableError(absl::StrCat(
+          address, " (--metrics-listen) is in use (another kvcal-worker?)"));
+    }
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", address, " for metrics: ", std::strerror(error)));
   }
   socklen_t len = sizeof(addr);
   getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);

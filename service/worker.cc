@@ -4,6 +4,9 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #if defined(__GLIBC__)
@@ -12,31 +15,21 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_ipc.h"
 #include "kernels/device_health.h"
 #include "service/log.h"
 #include "service/shard_map.h"
+#include "util/file_io.h"
+#include "util/host_port.h"
+#include "util/pem.h"
 #include "util/status_macros.h"
 
 namespace kvcal::service {
 namespace {
-
-absl::StatusOr<std::string> ReadFile(const std::string& path,
-                                     absl::string_view flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": cannot read ", path));
-  }
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(
     const WorkerOptions& options) {
@@ -52,14 +45,19 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(
         "TLS needs both --tls-cert and --tls-key");
   }
   grpc::SslServerCredentialsOptions ssl;
-  KVCAL_ASSIGN_OR_RETURN(std::string cert,
-                         ReadFile(options.tls_cert, "--tls-cert"));
-  KVCAL_ASSIGN_OR_RETURN(std::string key,
-                         ReadFile(options.tls_key, "--tls-key"));
+  // Checked here (util/pem.h), so that a wrong file is one line naming
+  // the flag instead of gRPC's handshaker errors.
+  KVCAL_ASSIGN_OR_RETURN(
+      std::string cert,
+      ReadPemFile("--tls-cert", options.tls_cert, PemKind::kCertificate));
+  KVCAL_ASSIGN_OR_RETURN(
+      std::string key,
+      ReadPemFile("--tls-key", options.tls_key, PemKind::kPrivateKey));
   ssl.pem_key_cert_pairs.push_back({key, cert});
   if (!options.tls_client_ca.empty()) {
     KVCAL_ASSIGN_OR_RETURN(ssl.pem_root_certs,
-                           ReadFile(options.tls_client_ca, "--tls-client-ca"));
+                           ReadPemFile("--tls-client-ca", options.tls_client_ca,
+                                       PemKind::kCertificate));
     ssl.client_certificate_request =
         GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
@@ -117,6 +115,54 @@ absl::StatusOr<std::string> ResolveWorkerId(const WorkerOptions& options) {
   return id;
 }
 
+// Whether another process listens on `address` (HOST:PORT; `flag` names
+// where it came from): binds a socket there the way the worker's listener
+// will, without SO_REUSEPORT and with SO_REUSEADDR (so that connections a
+// previous worker left in TIME_WAIT do not count). The error is one line:
+// "127.0.0.1:50051 is in use (another kvcal-worker?)". Port 0, "unix:"
+// addresses and names that do not resolve are left to the listener.
+absl::Status CheckPortFree(const std::string& address, absl::string_view flag) {
+  if (address.empty() || absl::StartsWith(address, "unix:") ||
+      absl::StartsWith(address, "unix-abstract:")) {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<HostPort> parsed =
+      ParseHostPort(address, {.default_port = -1, .min_port = 0});
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", parsed.status().message()));
+  }
+  if (parsed->port == 0) return absl::OkStatus();
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(parsed->port);
+  if (getaddrinfo(parsed->host.c_str(), port.c_str(), &hints, &found) != 0) {
+    return absl::OkStatus();
+  }
+  bool in_use = false;
+  for (addrinfo* a = found; a != nullptr && !in_use; a = a->ai_next) {
+    FileDescriptor fd(socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (fd.get() < 0) continue;
+    const int one = 1, zero = 0;
+    setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (a->ai_family == AF_INET6) {  // [::] is dual-stack in gRPC too
+      setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+    }
+    in_use = bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0 &&
+             errno == EADDRINUSE;
+  }
+  freeaddrinfo(found);
+  if (in_use) {
+    return absl::UnavailableError(
+        absl::StrCat(address, flag == "--listen" ? "" : absl::StrCat(" (", flag, ")"),
+                     " is in use (another kvcal-worker?)"));
+  }
+  return absl::OkStatus();
+}
+
 // The gRPC server of `service` on options.listen (its port in `port`), or
 // null when it cannot listen.
 std::unique_ptr<grpc::Server> BuildServer(
@@ -127,6 +173,10 @@ std::unique_ptr<grpc::Server> BuildServer(
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, credentials, port);
+  // A worker owns its port: without this gRPC sets SO_REUSEPORT, and a
+  // second worker on the same port would start too and get half of the
+  // connections (sessions "not found" on every other call).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   // Clients ping every 30 s while a call is open (client/connection.cc) to
   // notice a vanished worker; accept pings every 10 s even without data so
@@ -150,6 +200,13 @@ std::unique_ptr<grpc::Server> BuildServer(
 
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
     const WorkerOptions& options) {
+  // Before anything is logged, restored or written: a second worker on a
+  // taken port stops here with one line (and never touches --state-dir).
+  KVCAL_RETURN_IF_ERROR(CheckPortFree(options.listen, "--listen"));
+  KVCAL_RETURN_IF_ERROR(
+      CheckPortFree(options.metrics_listen, "--metrics-listen"));
+  KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                         Credentials(options));
   std::unique_ptr<Worker> worker(new Worker());
   ServiceOptions service_options = ServiceOptionsFor(options);
   if (!options.auth_token_file.empty()) {
@@ -176,11 +233,11 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(
   service_options.backend_name = worker->backend_name_;
   worker->service_ = std::make_unique<CalibrationService>(service_options);
   KVCAL_RETURN_IF_ERROR(worker->StartPersister(options));
-  KVCAL_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                         Credentials(options));
   worker->server_ =
       BuildServer(options, credentials, worker->service_.get(), &worker->port_);
   if (worker->server_ == nullptr || worker->port_ == 0) {
+    // Taken since the check above (two workers starting at once)?
+    KVCAL_RETURN_IF_ERROR(CheckPortFree(options.listen, "--listen"));
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", options.listen));
   }
