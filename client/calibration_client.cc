@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "client/safetensors.h"
 #include "client/sharding.h"
+#include "util/host_port.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
@@ -125,17 +126,22 @@ absl::StatusOr<std::vector<std::string>> ExpandEndpoint(
     }
     return out;
   }
-  if (!absl::StartsWith(endpoint, kDns))
+  if (HasTargetScheme(endpoint)) {
     return std::vector<std::string>{std::string(endpoint)};
-  const absl::string_view target = endpoint.substr(kDns.size());
-  const size_t colon = target.rfind(':');
-  if (colon == absl::string_view::npos || colon == 0 ||
-      colon + 1 == target.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", endpoint, "' must be dns:///host:port"));
   }
-  const std::string host(target.substr(0, colon));
-  const std::string port(target.substr(colon + 1));
+  // HOST[:PORT], and dns:///HOST[:PORT]: the port is checked (1..65535) and
+  // defaults to kDefaultPort, as the CLI's --server (util/cli.h).
+  const bool dns = absl::StartsWith(endpoint, kDns);
+  absl::StatusOr<HostPort> parsed =
+      ParseHostPort(dns ? endpoint.substr(kDns.size()) : endpoint,
+                    {.default_port = kDefaultPort, .min_port = 1});
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "server '", endpoint, "': ", parsed.status().message()));
+  }
+  if (!dns) return std::vector<std::string>{parsed->ToString()};
+  const std::string host = parsed->host;
+  const std::string port = std::to_string(parsed->port);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;

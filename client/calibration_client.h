@@ -39,7 +39,9 @@ namespace kvcal {
 // Kubernetes headless Service names every worker pod this way);
 // "file:PATH" the endpoints listed in that file (one per line or
 // comma-separated, '#' comments; read again whenever the client looks for a
-// moved worker); any other endpoint is returned as it is.
+// moved worker); HOST[:PORT] is checked (a port 1..65535, IPv6 in
+// brackets) and given port 50051 when it has none (so is dns:///HOST); a
+// target with another gRPC scheme (unix:, ipv4:, ...) is returned as it is.
 absl::StatusOr<std::vector<std::string>> ExpandEndpoint(
     absl::string_view endpoint);
 

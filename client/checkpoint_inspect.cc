@@ -235,6 +235,17 @@ Json InspectReport::ToJson() const {
 }
 
 std::string InspectReport::ToText() const {
+  return FindingsText() + ErrorsText();
+}
+
+std::string InspectReport::ErrorsText() const {
+  std::string out;
+  for (const std::string& e : errors) absl::StrAppend(&out, "error: ", e, "\n");
+  if (!ok()) absl::StrAppend(&out, "FAILED\n");
+  return out;
+}
+
+std::string InspectReport::FindingsText() const {
   std::string out = absl::StrCat(
       checkpoint_dir, ": ", sharded ? "sharded" : "single file", ", ",
       tensor_count, " tensors, quantization_config ",
@@ -276,8 +287,7 @@ std::string InspectReport::ToText() const {
   }
   for (const std::string& w : warnings)
     absl::StrAppend(&out, "warning: ", w, "\n");
-  for (const std::string& e : errors) absl::StrAppend(&out, "error: ", e, "\n");
-  absl::StrAppend(&out, ok() ? "OK\n" : "FAILED\n");
+  if (ok()) absl::StrAppend(&out, "OK\n");
   return out;
 }
 

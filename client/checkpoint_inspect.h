@@ -56,7 +56,14 @@ struct InspectReport {
 
   bool ok() const { return errors.empty(); }
   nlohmann::ordered_json ToJson() const;
+  // FindingsText() + ErrorsText().
   std::string ToText() const;
+  // What `kvcal inspect` prints on stdout: the checkpoint, vLLM's
+  // prediction, the table of scales, the warnings, and "OK" when ok().
+  std::string FindingsText() const;
+  // What it prints on stderr: one "error: ..." line per error and "FAILED";
+  // empty when ok().
+  std::string ErrorsText() const;
 };
 
 // Fails only when the checkpoint cannot be read at all (no config.json, no

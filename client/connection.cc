@@ -3,8 +3,15 @@
 #include <chrono>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_cat.h"
+#include <sys/stat.h>
+
+#include <regex>
+
 #include "client/safetensors.h"
+#include "util/pem.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
@@ -28,9 +35,12 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   if (!options.tls_ca_file.empty() || !options.tls_cert_file.empty()) {
     grpc::SslCredentialsOptions ssl;
+    // Checked before gRPC sees them (util/pem.h): a wrong file is one line
+    // naming the flag, not the handshaker's internals.
     if (!options.tls_ca_file.empty()) {
       KVCAL_ASSIGN_OR_RETURN(ssl.pem_root_certs,
-                             ReadSmallFile(options.tls_ca_file));
+                             ReadPemFile("--tls-ca", options.tls_ca_file,
+                                         PemKind::kCertificate));
     }
     if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
       return absl::InvalidArgumentError(
@@ -38,9 +48,11 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(
     }
     if (!options.tls_cert_file.empty()) {
       KVCAL_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
-                             ReadSmallFile(options.tls_cert_file));
+                             ReadPemFile("--tls-cert", options.tls_cert_file,
+                                         PemKind::kCertificate));
       KVCAL_ASSIGN_OR_RETURN(ssl.pem_private_key,
-                             ReadSmallFile(options.tls_key_file));
+                             ReadPemFile("--tls-key", options.tls_key_file,
+                                         PemKind::kPrivateKey));
     }
     credentials = grpc::SslCredentials(ssl);
   } else {
@@ -83,12 +95,95 @@ void PrepareContext(grpc::ClientContext& context,
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  // A regular file of a token's size: `/dev/zero` or a directory is an
+  // error, not a hang.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 &&
+      (!S_ISREG(st.st_mode) || st.st_size > (64 << 10))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": ", S_ISREG(st.st_mode) ? "too large for a token file"
+                                        : "not a regular file"));
+  }
   KVCAL_ASSIGN_OR_RETURN(std::string token, ReadSmallFile(path));
   absl::StripAsciiWhitespace(&token);
   if (token.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": empty token"));
   }
   return token;
+}
+
+namespace {
+
+struct Cause {
+  const char* pattern;  // in gRPC's message (case-sensitive)
+  const char* says;     // what a person reads instead
+};
+
+// gRPC 1.51's words for the ways a connection fails, most specific first,
+// and what they mean for a kvcal user.
+constexpr Cause kCauses[] = {
+    {"certificate verify failed",
+     "TLS: the worker's certificate is not signed by the CA in --tls-ca, or "
+     "does not name this address"},
+    {"CERTIFICATE_VERIFY_FAILED",
+     "TLS: the worker's certificate is not signed by the CA in --tls-ca, or "
+     "does not name this address"},
+    {"wrong version number",
+     "TLS handshake failed: the worker does not speak TLS (leave out "
+     "--tls-ca)"},
+    {"WRONG_VERSION_NUMBER",
+     "TLS handshake failed: the worker does not speak TLS (leave out "
+     "--tls-ca)"},
+    {"certificate required",
+     "TLS: the worker wants a client certificate (--tls-cert and --tls-key)"},
+    {"Ssl handshake failed", "TLS handshake failed"},
+    {"Connection refused", "connection refused (is a kvcal-worker listening "
+                           "there?)"},
+    {"Domain name not found", "cannot resolve the host name"},
+    {"DNS resolution failed", "cannot resolve the host name"},
+    {"Connection timed out", "connection timed out"},
+    {"No route to host", "no route to host"},
+    {"Network is unreachable", "network is unreachable"},
+    {"Socket closed",
+     "the worker closed the connection during the handshake (does it want "
+     "TLS, --tls-ca, or a client certificate, --tls-cert and --tls-key?)"},
+    {"No such file or directory", "no such socket"},
+    {"Deadline Exceeded",
+     "no answer before the deadline (is a kvcal-worker listening there?)"},
+};
+
+}  // namespace
+
+std::string CondenseConnectionError(absl::string_view message) {
+  const Cause* cause = nullptr;
+  for (const Cause& c : kCauses) {
+    if (c.says == absl::string_view("no such socket") &&
+        !absl::StrContains(message, "unix:")) {
+      continue;  // a file the worker could not open is its own message
+    }
+    if (absl::StrContains(message, c.pattern)) {
+      cause = &c;
+      break;
+    }
+  }
+  if (cause == nullptr) return std::string(message);
+  // The address as the user gave it: the endpoint the call was for
+  // ("GetSession on w1 (host:port): ...", "ListSessions on host:port: ..."),
+  // else the one gRPC tried ("ipv4:127.0.0.1:50051: ..."), else the name DNS
+  // could not find.
+  const std::string text(message);
+  std::smatch m;
+  static const std::regex on_named(R"( on \S+ \((\S+?)\): )");
+  static const std::regex on(R"( on (\S+?): )");
+  static const std::regex tried(R"((?:ipv4|ipv6|unix):(\S+?): )");
+  static const std::regex dns(R"(DNS resolution failed for (\S+?):? )");
+  std::string address;
+  if (std::regex_search(text, m, on_named) || std::regex_search(text, m, on) ||
+      std::regex_search(text, m, tried) || std::regex_search(text, m, dns)) {
+    address = absl::StrReplaceAll(m[1].str(), {{"%5B", "["}, {"%5D", "]"}});
+  }
+  if (address.empty()) return text;
+  return absl::StrCat(address, ": ", cause->says);
 }
 
 }  // namespace kvcal

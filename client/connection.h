@@ -46,6 +46,13 @@ void PrepareContext(grpc::ClientContext& context,
 // Reads the bearer token from a file (trailing whitespace trimmed).
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
+// A failed call's message as a person reads it: "<address>: <cause>" for
+// the connection failures gRPC describes at length ("127.0.0.1:1:
+// connection refused (is a kvcal-worker listening there?)", a TLS handshake
+// that failed and why, a name that does not resolve); any other message as
+// it is. The CLI prints gRPC's full text with --verbose.
+std::string CondenseConnectionError(absl::string_view message);
+
 }  // namespace kvcal
 
 #endif  // KVCAL_CLIENT_CONNECTION_H_

@@ -6,16 +6,20 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <grpc/support/log.h>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "client/calibration_client.h"
 #include "client/calibration_job.h"
 #include "client/checkpoint_inspect.h"
@@ -26,6 +30,7 @@
 #include "client/report/report.h"
 #include "kernels/scale_math.h"
 #include "proto/names.h"
+#include "util/cli.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
@@ -61,6 +66,10 @@ struct FinalizeArgs {
 
 struct Args {
   bool json = false;
+  bool verbose = false;  // errors with gRPC's own words, and its log
+  // "--server HOST has no port: using HOST:50051" lines, printed once the
+  // command line parsed.
+  std::vector<std::string> notices;
   ConnectionArgs connection;
   std::string config;
   std::string session;
@@ -96,21 +105,30 @@ absl::StatusOr<VllmLoadOptions> InspectOptions(const Args& a) {
   return options;
 }
 
-void AddConnection(CLI::App* app, ConnectionArgs& c) {
-  app->add_option("--server", c.servers,
-                  "worker host:port; repeat or comma-separate for several, "
-                  "dns:///name:port for every address of a name, file:PATH "
-                  "for a list (layers are sharded by worker id)")
-      ->envname("KVCAL_SERVER")
-      ->required()
-      ->delimiter(',');
+// --server, --auth-token-file and the TLS flags; `required` for the commands
+// that always talk to a worker (report needs one only with --session).
+void AddConnection(CLI::App* app, ConnectionArgs& c,
+                   std::vector<std::string>* notices, bool required = true) {
+  CLI::Option* server =
+      app->add_option("--server", c.servers,
+                      "worker HOST[:PORT] (port 50051 when left out); "
+                      "repeat or comma-separate for several, dns:///name:port "
+                      "for every address of a name, file:PATH for a list "
+                      "(layers are sharded by worker id)")
+          ->envname("KVCAL_SERVER")
+          ->delimiter(',')
+          ->check(cli::ServerAddress(notices));
+  if (required) server->required();
   app->add_option("--auth-token-file", c.auth_token_file,
                   "file holding the bearer token the workers expect")
       ->envname("KVCAL_AUTH_TOKEN_FILE");
   app->add_option("--tls-ca", c.tls_ca, "PEM CA bundle: connect with TLS");
-  app->add_option("--tls-cert", c.tls_cert,
-                  "PEM client certificate (mutual TLS)");
-  app->add_option("--tls-key", c.tls_key, "PEM client key (mutual TLS)");
+  CLI::Option* cert = app->add_option("--tls-cert", c.tls_cert,
+                                      "PEM client certificate (mutual TLS)");
+  CLI::Option* key =
+      app->add_option("--tls-key", c.tls_key, "PEM client key (mutual TLS)");
+  cert->needs(key);
+  key->needs(cert);
 }
 
 void AddFinalize(CLI::App* app, FinalizeArgs& f) {
@@ -134,24 +152,45 @@ void AddFinalize(CLI::App* app, FinalizeArgs& f) {
       ->capture_default_str();
   app->add_option("--format", f.format, CliNames(v1::Format_descriptor()))
       ->capture_default_str();
-  // 0 = the worker's default; the defaults live in ScaleOptions.
+  // 0 = the worker's default; the defaults live in ScaleOptions, the valid
+  // ranges in ScaleOptions::Validate (kernels/scale_math.cc): checked here
+  // too, so that a wrong value is a usage error before anything is sent.
   const ScaleOptions d;
+  const auto worker_default = [](auto value) {
+    return absl::StrCat("the worker's default, ", value);
+  };
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  constexpr uint64_t kU32 = std::numeric_limits<uint32_t>::max();
   app->add_option(
-      "--averaging-constant", f.averaging_constant,
-      absl::StrCat("minmax-ema constant (0 = ", d.averaging_constant, ")"));
+         "--averaging-constant", f.averaging_constant,
+         absl::StrCat("minmax-ema constant (0 = ", d.averaging_constant, ")"))
+      ->check(cli::InRange(cli::RealRange{
+          0, 1, true, false, worker_default(d.averaging_constant)}));
   app->add_option("--percentile", f.percentile,
-                  absl::StrCat("percentile p (0 = ", d.percentile, ")"));
+                  absl::StrCat("percentile p (0 = ", d.percentile, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, 100, true, false, worker_default(d.percentile)}));
   app->add_option("--margin", f.margin,
-                  absl::StrCat("multiplies every range (0 = ", d.margin, ")"));
+                  absl::StrCat("multiplies every range (0 = ", d.margin, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, kInf, true, true, worker_default(d.margin)}));
   app->add_option("--mse-grid", f.mse_grid,
-                  absl::StrCat("MSE grid (0 = ", d.mse_grid, ")"));
+                  absl::StrCat("MSE grid (0 = ", d.mse_grid, ")"))
+      ->check(cli::InRange(cli::IntRange{
+          0, kU32, absl::StrCat("0 = ", worker_default(d.mse_grid))}));
   app->add_option("--mse-max-shrink", f.mse_max_shrink,
-                  absl::StrCat("MSE max shrink (0 = ", d.mse_max_shrink, ")"));
+                  absl::StrCat("MSE max shrink (0 = ", d.mse_max_shrink, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, 1, true, true, worker_default(d.mse_max_shrink)}));
   app->add_option("--mse-norm", f.mse_norm,
-                  absl::StrCat("MSE error norm (0 = ", d.mse_norm, ")"));
+                  absl::StrCat("MSE error norm (0 = ", d.mse_norm, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, kInf, true, true, worker_default(d.mse_norm)}));
   app->add_option("--mse-patience", f.mse_patience,
                   "accepted for llm-compressor compatibility; the MSE search "
-                  "covers the whole grid");
+                  "covers the whole grid")
+      ->check(cli::InRange(cli::IntRange{
+          0, kU32, absl::StrCat("0 = ", worker_default(d.mse_patience))}));
   app->add_flag("--q-per-kv-group", f.q_per_kv_group,
                 "per head: reduce Q scales to one per KV group (max); not for "
                 "vLLM 0.34 checkpoints, which reduce q themselves");
@@ -163,8 +202,13 @@ void AddFinalize(CLI::App* app, FinalizeArgs& f) {
 absl::StatusOr<CalibrationClient> Connect(const ConnectionArgs& c) {
   ConnectionOptions options;
   if (!c.auth_token_file.empty()) {
-    KVCAL_ASSIGN_OR_RETURN(options.auth_token,
-                           ReadTokenFile(c.auth_token_file));
+    absl::StatusOr<std::string> token = ReadTokenFile(c.auth_token_file);
+    if (!token.ok()) {
+      return absl::Status(token.status().code(),
+                          absl::StrCat("--auth-token-file: ",
+                                       token.status().message()));
+    }
+    options.auth_token = *std::move(token);
   }
   options.tls_ca_file = c.tls_ca;
   options.tls_cert_file = c.tls_cert;
@@ -386,6 +430,16 @@ absl::StatusOr<InspectReport> InspectWithProgress(const std::string& dir,
   return report;
 }
 
+// An inspection's findings on stdout, its errors on stderr (each line as
+// "kvcal inspect: error: ...").
+void PrintInspect(const InspectReport& report, absl::string_view command) {
+  std::cout << report.FindingsText() << std::flush;
+  for (absl::string_view line :
+       absl::StrSplit(report.ErrorsText(), '\n', absl::SkipEmpty())) {
+    std::cerr << "kvcal " << command << ": " << line << "\n";
+  }
+}
+
 absl::StatusOr<CommandResult> RunPatch(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(PatchTarget target, ParsePatchTarget(a.target));
   PatchOptions options{.checkpoint_dir = a.checkpoint,
@@ -403,7 +457,7 @@ absl::StatusOr<CommandResult> RunInspect(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(VllmLoadOptions options, InspectOptions(a));
   KVCAL_ASSIGN_OR_RETURN(InspectReport report,
                          InspectWithProgress(a.checkpoint, options));
-  if (!a.json) std::cout << report.ToText();
+  if (!a.json) PrintInspect(report, "inspect");
   return CommandResult{report.ToJson(), report.ok() ? 0 : 1};
 }
 
@@ -447,7 +501,7 @@ absl::StatusOr<CommandResult> RunCalibrate(Args a) {
   if (target == PatchTarget::kQuark) vllm.kv_cache_dtype = "fp8";
   KVCAL_ASSIGN_OR_RETURN(InspectReport inspect,
                          InspectWithProgress(report.output_dir, vllm));
-  if (!a.json) std::cout << inspect.ToText();
+  if (!a.json) PrintInspect(inspect, "calibrate");
   return CommandResult{Json{{"session", SessionJson(s)},
                             {"push", PushJson(p)},
                             {"scales", a.output},
@@ -557,6 +611,20 @@ absl::StatusOr<CommandResult> RunReport(const Args& a) {
   return CommandResult{out};
 }
 
+// The numeric flags' valid values (docs/producers.md has the defaults).
+// A chunk is at most the largest message a worker accepts
+// (--max-message-bytes, at most 1 GiB); below one row, every row is a chunk.
+CLI::Validator ChunkBytes() {
+  return cli::InRange(cli::IntRange{1, 1 << 30, ""});
+}
+// Chunks in flight per worker; with --shm also the shared-memory ring's
+// slots.
+const cli::IntRange kWindowRange{1, 1024, ""};
+// The worker's rule (kernels/types.cc): 0 or a power of two up to 128.
+CLI::Validator HistogramBins() {
+  return cli::ZeroOrPowerOfTwo(128, "no histograms");
+}
+
 void AddJsonFlag(CLI::App* sub, Args& a) {
   sub->add_flag("--json", a.json, "machine-readable output on stdout");
 }
@@ -565,16 +633,19 @@ CLI::App* AddCreateCommand(CLI::App& app, Args& a) {
   CLI::App* sub = app.add_subcommand(
       "create",
       "create a session with the geometry of a Hugging Face config.json");
-  AddConnection(sub, a.connection);
+  AddConnection(sub, a.connection, &a.notices);
   sub->add_option("--config", a.config, "MODEL_DIR/config.json")->required();
   sub->add_option("--session", a.session,
                   "session id (default: the worker picks)");
   sub->add_option("--histograms", a.histograms,
                   "histogram bins per octave (power of two 1..128; 0 = none)")
+      ->check(HistogramBins())
       ->capture_default_str();
   sub->add_option("--holdout-budget-bytes", a.holdout_budget_bytes,
                   "bytes of held-out batches the worker keeps for "
-                  "finalize --evaluate (0 = its default, 64 MiB)");
+                  "finalize --evaluate (0 = its default, 64 MiB)")
+      ->check(cli::InRange(cli::IntRange{
+          0, std::numeric_limits<uint64_t>::max(), "0 = the worker's default"}));
   sub->add_flag("--reject-non-finite", a.reject_non_finite,
                 "the workers refuse any chunk holding NaN or Inf "
                 "(INVALID_ARGUMENT naming the tensor; nothing of it is "
@@ -587,15 +658,17 @@ CLI::App* AddCreateCommand(CLI::App& app, Args& a) {
 CLI::App* AddPushCommand(CLI::App& app, Args& a) {
   CLI::App* sub = app.add_subcommand(
       "push", "stream an activation dump directory into a session");
-  AddConnection(sub, a.connection);
+  AddConnection(sub, a.connection, &a.notices);
   sub->add_option("--session", a.session, "session id")->required();
   sub->add_option("--producer", a.producer,
                   "producer name (one per data-parallel rank)")
       ->capture_default_str();
   sub->add_option("--chunk-bytes", a.chunk_bytes,
                   "split tensors into chunks of at most this many bytes")
+      ->check(ChunkBytes())
       ->capture_default_str();
   sub->add_option("--window", a.window, "chunks in flight per worker")
+      ->check(cli::InRange(kWindowRange))
       ->capture_default_str();
   sub->add_flag("--resume", a.resume,
                 "continue an interrupted push of the same dump: skip what the "
@@ -608,6 +681,8 @@ CLI::App* AddPushCommand(CLI::App& app, Args& a) {
                   "send the last N batches of the dump as held out: the "
                   "worker keeps them for `finalize --evaluate` and "
                   "`--observer auto` instead of calibrating on them")
+      ->check(cli::InRange(
+          cli::IntRange{0, std::numeric_limits<uint64_t>::max(), ""}))
       ->capture_default_str();
   sub->add_option("DUMP_DIR", a.dump_dir, "directory of *.safetensors dumps")
       ->required();
@@ -618,7 +693,7 @@ CLI::App* AddPushCommand(CLI::App& app, Args& a) {
 CLI::App* AddStatusCommand(CLI::App& app, Args& a) {
   CLI::App* sub =
       app.add_subcommand("status", "show sessions and their counters");
-  AddConnection(sub, a.connection);
+  AddConnection(sub, a.connection, &a.notices);
   sub->add_option("--session", a.session, "one session (default: all)");
   AddJsonFlag(sub, a);
   return sub;
@@ -627,7 +702,7 @@ CLI::App* AddStatusCommand(CLI::App& app, Args& a) {
 CLI::App* AddFinalizeCommand(CLI::App& app, Args& a) {
   CLI::App* sub = app.add_subcommand(
       "finalize", "compute scales and write them to a scales file");
-  AddConnection(sub, a.connection);
+  AddConnection(sub, a.connection, &a.notices);
   sub->add_option("--session", a.session, "session id")->required();
   AddFinalize(sub, a.finalize);
   sub->add_option("-o,--output", a.output, "scales.safetensors to write")
@@ -670,18 +745,21 @@ CLI::App* AddInspectCommand(CLI::App& app, Args& a) {
 CLI::App* AddCalibrateCommand(CLI::App& app, Args& a) {
   CLI::App* sub = app.add_subcommand(
       "calibrate", "create, push, finalize and patch in one go");
-  AddConnection(sub, a.connection);
+  AddConnection(sub, a.connection, &a.notices);
   sub->add_option("--checkpoint", a.checkpoint, "MODEL_DIR to patch")
       ->required();
   sub->add_option("--config", a.config,
                   "config.json (default: MODEL_DIR/config.json)");
   sub->add_option("--session", a.session,
                   "session id (default: the worker picks)");
-  sub->add_option("--histograms", a.histograms, "bins per octave")
+  sub->add_option("--histograms", a.histograms,
+                  "bins per octave (power of two 1..128; 0 = none)")
+      ->check(HistogramBins())
       ->capture_default_str();
   sub->add_option("--producer", a.producer, "producer name")
       ->capture_default_str();
   sub->add_option("--chunk-bytes", a.chunk_bytes, "chunk size limit")
+      ->check(ChunkBytes())
       ->capture_default_str();
   sub->add_flag("--shm", a.shm,
                 "same-host shared memory for the push (see push --shm)");
@@ -709,20 +787,10 @@ CLI::App* AddReportCommand(CLI::App& app, Args& a) {
       "write a self-contained HTML report: scales, histograms with each "
       "observer's clip point, estimated errors, evaluation results and a "
       "recommendation");
-  sub->add_option("--server", a.connection.servers,
-                  "worker host:port (with --session); several for a "
-                  "sharded session")
-      ->envname("KVCAL_SERVER")
-      ->delimiter(',');
-  sub->add_option("--auth-token-file", a.connection.auth_token_file,
-                  "file holding the bearer token the workers expect")
-      ->envname("KVCAL_AUTH_TOKEN_FILE");
-  sub->add_option("--tls-ca", a.connection.tls_ca, "PEM CA bundle");
-  sub->add_option("--tls-cert", a.connection.tls_cert,
-                  "PEM client certificate");
-  sub->add_option("--tls-key", a.connection.tls_key, "PEM client key");
+  AddConnection(sub, a.connection, &a.notices, /*required=*/false);
   sub->add_option("--session", a.session,
-                  "a live session: its statistics (histograms, maxima)");
+                  "a live session: its statistics (histograms, maxima)")
+      ->needs("--server");
   sub->add_option("--scales", a.scales,
                   "a scales file from finalize (without a session: the "
                   "scales only)");
@@ -745,17 +813,30 @@ CLI::App* AddDemoCommand(CLI::App& app, Args& a) {
   sub->add_option("--worker", a.demo.worker,
                   "kvcal-worker binary (default: next to kvcal, then PATH)");
   sub->add_option("--backend", a.demo.backend, "worker backend: auto|cpu|cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
   AddJsonFlag(sub, a);
   return sub;
 }
 
+// gRPC's own log lines (handshake failures and the like) only with
+// --verbose: without it, the error a command fails with says in one line
+// what went wrong (CondenseConnectionError).
+void QuietGrpcLog(gpr_log_func_args* /*args*/) {}
+
 int Main(int argc, char** argv) {
   CLI::App app{
       "kvcal: calibrate FP8 KV-cache (and query) scales with kvcal "
-      "workers and write them into Hugging Face checkpoints"};
+      "workers and write them into Hugging Face checkpoints",
+      "kvcal"};
   app.require_subcommand(1);
+  // Before the subcommands, which inherit it: --verbose may come after the
+  // subcommand's name too.
+  app.fallthrough();
   Args a;
+  app.add_flag("--verbose", a.verbose,
+               "on failure, gRPC's full error and its log lines on stderr");
+  cli::AddVersionFlag(app);
   using Run = std::function<absl::StatusOr<CommandResult>(Args&)>;
   const std::pair<CLI::App*, Run> commands[] = {
       {AddCreateCommand(app, a), RunCreate},
@@ -773,10 +854,11 @@ int Main(int argc, char** argv) {
        }},
   };
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  // Usage errors: one line on stderr, exit 2 (client/README.md "Exit codes").
+  if (std::optional<int> exit = cli::Parse(app, argc, argv)) return *exit;
+  if (!a.verbose) gpr_set_log_function(QuietGrpcLog);
+  for (const std::string& notice : a.notices) {
+    std::cerr << "kvcal: " << notice << "\n";
   }
   CLI::App* chosen = app.get_subcommands().front();
   const std::string name = chosen->get_name();
@@ -785,8 +867,14 @@ int Main(int argc, char** argv) {
     if (sub == chosen) result = run(a);
   }
   if (!result.ok()) {
-    const std::string message =
-        absl::StrReplaceAll(result.status().message(), {{"\n", " "}});
+    std::string message = std::string(result.status().message());
+    const absl::StatusCode code = result.status().code();
+    if (!a.verbose && (code == absl::StatusCode::kUnavailable ||
+                       code == absl::StatusCode::kDeadlineExceeded ||
+                       code == absl::StatusCode::kUnknown)) {
+      message = CondenseConnectionError(message);
+    }
+    message = absl::StrReplaceAll(message, {{"\n", " "}});
     std::cerr << "kvcal " << name << ": " << message << "\n";
     if (a.json) {
       std::cout << Json{{"ok", false},
@@ -796,7 +884,7 @@ int Main(int argc, char** argv) {
                        .dump(2)
                 << "\n";
     }
-    return 1;
+    return cli::kExitFailure;
   }
   if (a.json) std::cout << result->json.dump(2) << "\n";
   return result->exit_code;

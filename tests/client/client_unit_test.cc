@@ -364,6 +364,25 @@ TEST(CliNamesTest, TableIsCompleteAndUnambiguous) {
 namespace kvcal {
 namespace {
 
+TEST(ExpandEndpointTest, PlainAddressesAreCheckedAndGetTheDefaultPort) {
+  auto host = ExpandEndpoint("worker-0");
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_THAT(*host, ::testing::ElementsAre("worker-0:50051"));
+  auto v6 = ExpandEndpoint("[::1]");
+  ASSERT_TRUE(v6.ok()) << v6.status();
+  EXPECT_THAT(*v6, ::testing::ElementsAre("[::1]:50051"));
+  for (const char* bad : {"127.0.0.1:99999", "127.0.0.1:0", "host:abc",
+                          ":50051", "::1", "a b:1", "[::1"}) {
+    EXPECT_EQ(ExpandEndpoint(bad).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  // Other gRPC schemes go to gRPC as they are.
+  auto unix_socket = ExpandEndpoint("unix:/run/kvcal.sock");
+  ASSERT_TRUE(unix_socket.ok());
+  EXPECT_THAT(*unix_socket, ::testing::ElementsAre("unix:/run/kvcal.sock"));
+}
+
 TEST(ExpandEndpointTest, DnsNamesBecomeEveryAddressSorted) {
   auto plain = ExpandEndpoint("worker-0:50051");
   ASSERT_TRUE(plain.ok());
@@ -371,18 +390,95 @@ TEST(ExpandEndpointTest, DnsNamesBecomeEveryAddressSorted) {
   auto numeric = ExpandEndpoint("dns:///127.0.0.1:7000");
   ASSERT_TRUE(numeric.ok()) << numeric.status();
   EXPECT_THAT(*numeric, ::testing::ElementsAre("127.0.0.1:7000"));
-  auto v6 = ExpandEndpoint("dns:///::1:7000");
+  auto v6 = ExpandEndpoint("dns:///[::1]:7000");
   ASSERT_TRUE(v6.ok()) << v6.status();
   EXPECT_THAT(*v6, ::testing::ElementsAre("[::1]:7000"));
+  // Without brackets the port cannot be told from the address.
+  EXPECT_THAT(ExpandEndpoint("dns:///::1:7000").status().message(),
+              HasSubstr("in brackets"));
   // localhost may resolve to 127.0.0.1 and ::1: each address once, sorted.
   auto local = ExpandEndpoint("dns:///localhost:7000");
   ASSERT_TRUE(local.ok()) << local.status();
   EXPECT_TRUE(std::is_sorted(local->begin(), local->end()));
   EXPECT_THAT(*local, ::testing::Contains("127.0.0.1:7000"));
-  EXPECT_EQ(ExpandEndpoint("dns:///no-port").status().code(),
+  // No port: 50051, as for a plain HOST; a port that is not one is refused.
+  auto default_port = ExpandEndpoint("dns:///127.0.0.1");
+  ASSERT_TRUE(default_port.ok()) << default_port.status();
+  EXPECT_THAT(*default_port, ::testing::ElementsAre("127.0.0.1:50051"));
+  EXPECT_EQ(ExpandEndpoint("dns:///localhost:http").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExpandEndpoint("dns:///localhost:70000").status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ExpandEndpoint("dns:///host.invalid.:7000").status().code(),
             absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace kvcal
+
+namespace kvcal {
+namespace {
+
+// gRPC 1.51's messages for each way a connection fails, as kvcal status
+// printed them before (captured from real runs against kvcal-worker), and
+// the one line a person reads now.
+TEST(CondenseConnectionErrorTest, NamesTheAddressAndTheCause) {
+  struct Case {
+    const char* grpc;
+    const char* condensed;
+  };
+  for (const Case& c : {
+           Case{"ListSessions on 127.0.0.1:1: failed to connect to all "
+                "addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to "
+                "connect to remote host: Connection refused",
+                "127.0.0.1:1: connection refused (is a kvcal-worker "
+                "listening there?)"},
+           Case{"ListSessions on 127.0.0.1:50997: failed to connect to all "
+                "addresses; last error: UNKNOWN: ipv4:127.0.0.1:50997: Ssl "
+                "handshake failed: SSL_ERROR_SSL: error:0A000086:SSL "
+                "routines::certificate verify failed",
+                "127.0.0.1:50997: TLS: the worker's certificate is not signed "
+                "by the CA in --tls-ca, or does not name this address"},
+           Case{"ListSessions on 127.0.0.1:50996: failed to connect to all "
+                "addresses; last error: UNKNOWN: ipv4:127.0.0.1:50996: Ssl "
+                "handshake failed: SSL_ERROR_SSL: error:0A00010B:SSL "
+                "routines::wrong version number",
+                "127.0.0.1:50996: TLS handshake failed: the worker does not "
+                "speak TLS (leave out --tls-ca)"},
+           Case{"ListSessions on 127.0.0.1:50997: failed to connect to all "
+                "addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:50997: "
+                "Socket closed",
+                "127.0.0.1:50997: the worker closed the connection during the "
+                "handshake (does it want TLS, --tls-ca, or a client "
+                "certificate, --tls-cert and --tls-key?)"},
+           Case{"ListSessions on nosuchhost.invalid:50997: DNS resolution "
+                "failed for nosuchhost.invalid:50997: C-ares status is not "
+                "ARES_SUCCESS qtype=AAAA name=nosuchhost.invalid "
+                "is_balancer=0: Domain name not found",
+                "nosuchhost.invalid:50997: cannot resolve the host name"},
+           Case{"ListSessions on [::1]:1: failed to connect to all addresses; "
+                "last error: UNKNOWN: ipv6:%5B::1%5D:1: Failed to connect to "
+                "remote host: Connection refused",
+                "[::1]:1: connection refused (is a kvcal-worker listening "
+                "there?)"},
+           Case{"ListSessions on unix:/tmp/x.sock: failed to connect to all "
+                "addresses; last error: UNKNOWN: unix:/tmp/x.sock: No such "
+                "file or directory",
+                "unix:/tmp/x.sock: no such socket"},
+           Case{"GetSession on w1 (10.0.0.7:50051): Deadline Exceeded",
+                "10.0.0.7:50051: no answer before the deadline (is a "
+                "kvcal-worker listening there?)"},
+       }) {
+    EXPECT_EQ(CondenseConnectionError(c.grpc), c.condensed);
+  }
+  // Anything else is left as it is: the worker's own messages are one line
+  // already.
+  for (const std::string own :
+       {"GetSession on 127.0.0.1:5: NOT_FOUND: session 'x' not found",
+        "ImportState on 127.0.0.1:5: cannot open /s/x: No such file or "
+        "directory"}) {
+    EXPECT_EQ(CondenseConnectionError(own), own);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,268 @@
+// The kvcal command as a user meets it when something is wrong: usage
+// errors are one line on stderr and exit 2 (impossible numbers naming the
+// flag and the range, typos with a suggestion), failures exit 1 with one
+// line naming the address and the cause (gRPC's own words behind
+// --verbose), `--server HOST` dials port 50051 and says so, `inspect` keeps
+// its findings on stdout and its errors on stderr, and --version says what
+// was built.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "client/demo_model.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/run_process.h"
+#include "tests/service/worker_process.h"
+#include "tests/test_certs.h"
+
+namespace kvcal {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::SizeIs;
+using ::testing::StartsWith;
+using testing::ProcessResult;
+using testing::RunProcess;
+using testing::WorkerProcess;
+
+constexpr char kNowhere[] = "127.0.0.1:1";  // nothing listens on port 1
+
+// kvcal with `args`, without KVCAL_SERVER or KVCAL_AUTH_TOKEN_FILE from the
+// environment deciding anything.
+ProcessResult Kvcal(std::vector<std::string> args) {
+  args.insert(args.begin(), KVCAL_CLI_PATH);
+  return RunProcess(std::move(args), std::chrono::seconds(120),
+                    {"KVCAL_SERVER=", "KVCAL_AUTH_TOKEN_FILE="});
+}
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("kvcal-cli-test-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(CliTest, ImpossibleNumbersAreUsageErrorsNamingFlagAndRange) {
+  const std::string dumps = Path("dumps");
+  std::filesystem::create_directories(dumps);
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"push", "--server", kNowhere, "--session", "s", "--chunk-bytes", "0",
+        dumps},
+       "kvcal push: --chunk-bytes: 0 is out of range: want 1..1073741824"},
+      {{"push", "--server", kNowhere, "--session", "s", "--window", "0", dumps},
+       "kvcal push: --window: 0 is out of range: want 1..1024"},
+      {{"push", "--server", kNowhere, "--session", "s", "--chunk-bytes", "-1",
+        dumps},
+       "kvcal push: --chunk-bytes: -1 is out of range"},
+      {{"push", "--server", kNowhere, "--session", "s", "--holdout-batches",
+        "two", dumps},
+       "kvcal push: --holdout-batches: 'two' is not a whole number"},
+      {{"calibrate", "--server", kNowhere, "--checkpoint", "m",
+        "--chunk-bytes", "0", dumps},
+       "kvcal calibrate: --chunk-bytes: 0 is out of range"},
+      {{"create", "--server", kNowhere, "--config", "c.json", "--histograms",
+        "3"},
+       "kvcal create: --histograms: 3 is not a power of two 1..128, or 0 for "
+       "no histograms"},
+      {{"create", "--server", kNowhere, "--config", "c.json",
+        "--holdout-budget-bytes", "-1"},
+       "kvcal create: --holdout-budget-bytes: -1 is out of range"},
+      {{"finalize", "--server", kNowhere, "--session", "s", "-o", "x",
+        "--percentile", "101"},
+       "kvcal finalize: --percentile: 101 is out of range: want (0, 100], or "
+       "0 for the worker's default, 99.99"},
+      {{"finalize", "--server", kNowhere, "--session", "s", "-o", "x",
+        "--averaging-constant", "2"},
+       "kvcal finalize: --averaging-constant: 2 is out of range: want (0, 1]"},
+      {{"finalize", "--server", kNowhere, "--session", "s", "-o", "x",
+        "--margin", "nan"},
+       "kvcal finalize: --margin: 'nan' is not a finite number"},
+      {{"finalize", "--server", kNowhere, "--session", "s", "-o", "x",
+        "--mse-max-shrink", "1"},
+       "kvcal finalize: --mse-max-shrink: 1 is out of range: want (0, 1)"},
+      {{"status", "--server", "127.0.0.1:99999"},
+       "kvcal status: --server: '127.0.0.1:99999': port 99999 is out of "
+       "range: want 1..65535"},
+      {{"status", "--server", "worker:abc"},
+       "kvcal status: --server: 'worker:abc': port 'abc' is not a number"},
+      {{"status", "--server", ":50051"},
+       "kvcal status: --server: no host before ':50051'"},
+      {{"status", "--server", "::1"},
+       "kvcal status: --server: '::1': an IPv6 address goes in brackets"},
+      {{"status", "--server", kNowhere, "--tls-cert", "c.pem"},
+       "kvcal status: --tls-cert requires --tls-key"},
+      {{"report", "--session", "s", "-o", "r.html"},
+       "kvcal report: --session requires --server"},
+      {{"demo", "--backend", "gpu"}, "kvcal demo: --backend: gpu not in"},
+      {{"push", "--server", kNowhere, "--session"},
+       "kvcal push: --session needs a value"},
+  };
+  for (const Case& c : cases) {
+    const ProcessResult r = Kvcal(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.message << "\n" << r.err;
+    EXPECT_THAT(r.ErrLines(), SizeIs(1)) << r.err;
+    EXPECT_THAT(r.err, StartsWith(c.message));
+    EXPECT_THAT(r.err, HasSubstr(" --help')\n"));
+    EXPECT_EQ(r.out, "");
+  }
+}
+
+TEST_F(CliTest, TyposGetASuggestion) {
+  ProcessResult r = Kvcal({"calibrat"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.err,
+            "kvcal: unknown subcommand 'calibrat'; did you mean 'calibrate'? "
+            "(see 'kvcal --help')\n");
+  r = Kvcal({"push", "--server", kNowhere, "--session", "s", "--chunk-byte",
+             "5", Path("d")});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.err,
+            "kvcal push: unknown option '--chunk-byte'; did you mean "
+            "'--chunk-bytes'? (see 'kvcal push --help')\n");
+  r = Kvcal({});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, StartsWith("kvcal: a subcommand is required: one of "
+                                "create, push, status"));
+  r = Kvcal({"status", "--help"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--server"));
+}
+
+TEST_F(CliTest, ServerWithoutAPortDialsTheDefaultPortAndSaysSo) {
+  // A worker on 50051 when the port is free; otherwise whatever holds it
+  // answers (or does not), and the message still names :50051.
+  WorkerProcess worker({}, "127.0.0.1:50051");
+  const ProcessResult r = Kvcal({"status", "--server", "127.0.0.1"});
+  EXPECT_THAT(r.err, StartsWith("kvcal: --server 127.0.0.1 has no port: using "
+                                "127.0.0.1:50051 (the default port)\n"));
+  if (worker.ok()) {
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_THAT(r.ErrLines(), SizeIs(1)) << r.err;  // the notice, once
+    EXPECT_EQ(r.out, "no sessions\n");
+  } else {
+    EXPECT_THAT(r.err, HasSubstr("127.0.0.1:50051"));
+  }
+}
+
+TEST_F(CliTest, ConnectionErrorsAreOneLineAndVerboseHasGrpcsWords) {
+  ProcessResult r = Kvcal({"status", "--server", kNowhere});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err,
+            "kvcal status: 127.0.0.1:1: connection refused (is a kvcal-worker "
+            "listening there?)\n");
+  r = Kvcal({"status", "--server", kNowhere, "--verbose"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("failed to connect to all addresses"));
+}
+
+TEST_F(CliTest, TlsProblemsAreOneLineNamingTheAddressAndTheCause) {
+  ASSERT_TRUE(testing::MakeTestCertificates(Path("certs")));
+  ASSERT_TRUE(testing::MakeTestCertificates(Path("other")));
+  const std::string not_pem = Path("ca.txt");
+  std::ofstream(not_pem) << "not a certificate\n";
+
+  ProcessResult r =
+      Kvcal({"status", "--server", kNowhere, "--tls-ca", not_pem});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err, "kvcal status: --tls-ca " + not_pem +
+                       ": not a PEM certificate (no -----BEGIN line)\n");
+  r = Kvcal({"status", "--server", kNowhere, "--tls-ca",
+             Path("certs/ca.key")});
+  EXPECT_EQ(r.err, "kvcal status: --tls-ca " + Path("certs/ca.key") +
+                       ": not a PEM certificate (it holds a PRIVATE KEY)\n");
+
+  WorkerProcess tls({"--tls-cert", Path("certs/server.pem"), "--tls-key",
+                     Path("certs/server.key")});
+  ASSERT_TRUE(tls.ok()) << tls.error();
+  // A CA that did not sign the worker's certificate.
+  r = Kvcal({"status", "--server", tls.address(), "--tls-ca",
+             Path("other/ca.pem")});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err, "kvcal status: " + tls.address() +
+                       ": TLS: the worker's certificate is not signed by the "
+                       "CA in --tls-ca, or does not name this address\n");
+  r = Kvcal({"status", "--server", tls.address(), "--tls-ca",
+             Path("other/ca.pem"), "--verbose"});
+  EXPECT_THAT(r.err, HasSubstr("Ssl handshake failed"));
+  // Plaintext to a TLS worker, TLS to a plaintext one.
+  r = Kvcal({"status", "--server", tls.address()});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.ErrLines(), SizeIs(1)) << r.err;
+  EXPECT_THAT(r.err, StartsWith("kvcal status: " + tls.address() +
+                                ": the worker closed the connection"));
+  WorkerProcess plain;
+  ASSERT_TRUE(plain.ok()) << plain.error();
+  r = Kvcal({"status", "--server", plain.address(), "--tls-ca",
+             Path("certs/ca.pem")});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err, "kvcal status: " + plain.address() +
+                       ": TLS handshake failed: the worker does not speak TLS "
+                       "(leave out --tls-ca)\n");
+  // The right CA works.
+  r = Kvcal({"status", "--server", tls.address(), "--tls-ca",
+             Path("certs/ca.pem")});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+TEST_F(CliTest, AuthTokenFileProblemsNameTheFlag) {
+  ProcessResult r = Kvcal({"status", "--server", kNowhere, "--auth-token-file",
+                           Path("missing")});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, StartsWith("kvcal status: --auth-token-file: "));
+  EXPECT_THAT(r.err, HasSubstr("No such file or directory"));
+  r = Kvcal({"status", "--server", kNowhere, "--auth-token-file",
+             "/dev/zero"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err,
+            "kvcal status: --auth-token-file: /dev/zero: not a regular file\n");
+}
+
+TEST_F(CliTest, InspectFindingsGoToStdoutAndErrorsToStderr) {
+  // Nothing to read: one line on stderr, nothing on stdout.
+  ProcessResult r = Kvcal({"inspect", Path("missing-model")});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.out, "");
+  EXPECT_THAT(r.ErrLines(), SizeIs(1)) << r.err;
+  EXPECT_THAT(r.err, StartsWith("kvcal inspect: cannot open "));
+
+  // A checkpoint without scales: the table on stdout, the errors on stderr.
+  ASSERT_TRUE(
+      WriteDemoCheckpoint(Path("model"), DemoModelOptions{.num_layers = 2})
+          .ok());
+  r = Kvcal({"inspect", Path("model")});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("layer  q_scale vLLM uses"));
+  EXPECT_THAT(r.out, Not(HasSubstr("error")));
+  EXPECT_THAT(r.out, Not(HasSubstr("FAILED")));
+  EXPECT_THAT(r.err, HasSubstr("kvcal inspect: error: no q/k/v scales found"));
+  EXPECT_THAT(r.err, HasSubstr("kvcal inspect: FAILED\n"));
+}
+
+TEST_F(CliTest, VersionSaysVersionCommitAndBackends) {
+  const ProcessResult r = Kvcal({"--version"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.out, StartsWith("kvcal "));
+  EXPECT_THAT(r.out, HasSubstr(" (commit "));
+  EXPECT_THAT(r.out, HasSubstr("; backends: cpu"));
+  EXPECT_EQ(r.err, "");
+}
+
+}  // namespace
+}  // namespace kvcal
