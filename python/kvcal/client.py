@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 import grpc
 import numpy as np
 
+from kvcal import _args
 from kvcal.scales import Scales
 from kvcal.sharding import expand_endpoints, layer_owner, layer_owners
 from kvcal.v1 import pb, pb_grpc
@@ -251,7 +252,10 @@ class Client:
     `workers` holds one single-worker Client per worker, in id order.
     token: sent as `authorization: Bearer <token>`. tls: False/None
     (plaintext), True (system roots), a path to a PEM CA bundle, or
-    grpc.ChannelCredentials.
+    grpc.ChannelCredentials. A "host" without a port gets port 50051 (logged);
+    a port outside 1..65535, max_message_bytes outside 64 KiB..2 GiB-1 and a
+    timeout that is not > 0 (or None) are a ValueError before anything
+    connects.
     """
 
     def __init__(self, target: Union[str, Sequence[str]], token: Optional[str] = None,
@@ -259,6 +263,9 @@ class Client:
                  session_id: Optional[str] = None,
                  max_message_bytes: int = 64 << 20,
                  timeout: Optional[float] = 60.0):
+        max_message_bytes = _args.check_int("Client", "max_message_bytes", max_message_bytes,
+                                            _args.IntRange(1 << 16, (1 << 31) - 1))
+        timeout = _args.check_timeout("Client", "timeout", timeout)
         self.token = token
         self.timeout = timeout
         self.session_id = session_id
@@ -476,6 +483,9 @@ class Client:
         (INVALID_ARGUMENT naming layer, role, head and counts; nothing of it is
         applied, so a Producer stops with a ProducerError) instead of counting
         such values and leaving them out of the statistics (the default)."""
+        histograms = _args.check_histograms(histograms)
+        holdout_budget_bytes = _args.check_int("create_session", "holdout_budget_bytes",
+                                               holdout_budget_bytes, _args.UINT64)
         if geometry is None:
             if config is None:
                 raise ValueError("kvcal: create_session needs a config or a geometry")
@@ -690,6 +700,20 @@ class Client:
                           layers: Iterable[int] = (), evaluate: bool = False,
                           evaluate_kv_only: bool = False, auto_per_session: bool = False,
                           auto_granularities: Iterable[str] = ()):
+        # The CLI's ranges (kernels/scale_math.cc ScaleOptions::Validate);
+        # 0 asks the worker for its default.
+        averaging_constant = _args.check_real("finalize", "averaging_constant",
+                                              averaging_constant, _args.AVERAGING_CONSTANT)
+        percentile = _args.check_real("finalize", "percentile", percentile, _args.PERCENTILE)
+        margin = _args.check_real("finalize", "margin", margin, _args.MARGIN)
+        mse_grid = _args.check_int("finalize", "mse_grid", mse_grid, _args.MSE_GRID)
+        mse_max_shrink = _args.check_real("finalize", "mse_max_shrink", mse_max_shrink,
+                                          _args.MSE_MAX_SHRINK)
+        mse_norm = _args.check_real("finalize", "mse_norm", mse_norm, _args.MSE_NORM)
+        mse_patience = _args.check_int("finalize", "mse_patience", mse_patience,
+                                       _args.MSE_PATIENCE)
+        layers = [_args.check_int("finalize", "layers[]", l, _args.IntRange(0, (1 << 32) - 1))
+                  for l in layers]
         observer = _resolve(observer, OBSERVERS, _OBSERVER_ALIASES, "observer")
         granularity = _resolve(granularity, GRANULARITIES, _GRANULARITY_ALIASES, "granularity")
         fmt = _resolve(fmt, FORMATS, _FORMAT_ALIASES, "format")

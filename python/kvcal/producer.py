@@ -69,6 +69,7 @@ from typing import Any, Deque, List, Optional, Tuple
 import grpc
 import numpy as np
 
+from kvcal import _args
 from kvcal.client import Client, KvcalError, _names, _spellings
 from kvcal.v1 import pb
 
@@ -95,6 +96,23 @@ DEFAULT_WINDOW = 16
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNKNOWN}
+
+
+def _check_options(chunk_bytes=4 << 20, max_pending_chunks=1024, max_pending_bytes=512 << 20,
+                   window=DEFAULT_WINDOW, start_sequence=None, reconnect_timeout=120.0,
+                   durable_timeout=120.0, **_):
+    """The numeric arguments of Producer, checked before it connects, with
+    the CLI's ranges for chunk_bytes and window (push --chunk-bytes,
+    --window): a ValueError naming the argument and what is valid."""
+    _args.check_int("Producer", "chunk_bytes", chunk_bytes, _args.CHUNK_BYTES)
+    _args.check_int("Producer", "window", window, _args.WINDOW)
+    _args.check_int("Producer", "max_pending_chunks", max_pending_chunks, _args.IntRange(1, None))
+    _args.check_int("Producer", "max_pending_bytes", max_pending_bytes, _args.IntRange(1, None))
+    if start_sequence is not None:
+        _args.check_int("Producer", "start_sequence", start_sequence,
+                        _args.IntRange(1, (1 << 64) - 1))
+    _args.check_timeout("Producer", "reconnect_timeout", reconnect_timeout, allow_none=False)
+    _args.check_timeout("Producer", "durable_timeout", durable_timeout, allow_none=False)
 
 
 class ProducerError(RuntimeError):
@@ -374,6 +392,10 @@ class Producer:
                  resume: bool = False,
                  reconnect_timeout: float = 120.0, durable_timeout: float = 120.0,
                  shared_memory: bool = False):
+        _check_options(chunk_bytes=chunk_bytes, max_pending_chunks=max_pending_chunks,
+                       max_pending_bytes=max_pending_bytes, window=window,
+                       start_sequence=start_sequence, reconnect_timeout=reconnect_timeout,
+                       durable_timeout=durable_timeout)
         self.client = client
         self.session_id = session_id or client._session(None)
         self.producer_id = producer_id or "default"
@@ -475,9 +497,13 @@ class Producer:
         if layout not in _LAYOUTS:
             raise ValueError(f"kvcal: layout {layout!r} is not heads_tokens_dim or tokens_heads_dim")
         layout = _LAYOUTS[layout]
+        layer = _args.check_int("put", "layer", layer, _args.IntRange(0, (1 << 32) - 1))
+        head_offset = _args.check_int("put", "head_offset", head_offset,
+                                      _args.IntRange(0, (1 << 32) - 1))
         if batch is None:
             self._batches_started = True
             batch = self._batch
+        batch = _args.check_int("put", "batch", batch, _args.IntRange(0, (1 << 64) - 1))
         payload, dtype, shape = _payload_of(tensor)
         if layout == pb.LAYOUT_HEADS_TOKENS_DIM and len(shape) != 4:
             raise ValueError(f"kvcal: layout heads_tokens_dim needs [batch, heads, tokens, head_dim], "
@@ -866,6 +892,7 @@ class _ShardedProducer(Producer):
 
     def __init__(self, client: Client, session_id: Optional[str] = None, producer_id: str = "",
                  **kwargs):
+        _check_options(**kwargs)  # before any worker is asked
         self.client = client
         self.session_id = session_id or client._session(None)
         self.producer_id = producer_id or "default"
@@ -908,6 +935,7 @@ class _ShardedProducer(Producer):
     def put(self, layer: int, role, tensor, **kwargs) -> None:
         from kvcal.sharding import layer_owner
 
+        layer = _args.check_int("put", "layer", layer, _args.IntRange(0, (1 << 32) - 1))
         shard = self._shards[layer_owner(self.session_id, int(layer), self.client.worker_ids)]
         if kwargs.get("batch") is None:
             kwargs["batch"] = self.batch

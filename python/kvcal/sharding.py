@@ -8,9 +8,14 @@ shard_vectors.json pins it for both clients.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import List, Sequence
+
+from kvcal._args import check_endpoint, parse_host_port
+
+log = logging.getLogger("kvcal")
 
 _MASK = (1 << 64) - 1
 
@@ -53,7 +58,10 @@ def layer_owners(session_id: str, num_layers: int, worker_ids: Sequence[str]) ->
 def expand_endpoint(endpoint: str) -> List[str]:
     """"dns:///host:port": every address host resolves to, sorted; "file:PATH":
     the endpoints listed in that file (one per line or comma-separated, '#'
-    comments); anything else as it is. As the C++ client's ExpandEndpoint."""
+    comments); "host[:port]" checked, with port 50051 when it has none (a
+    ValueError for a port outside 1..65535, an IPv6 address without
+    brackets); another gRPC target ("unix:...") as it is. As the C++
+    client's ExpandEndpoint."""
     if endpoint.startswith("file:"):
         path = endpoint[len("file:"):]
         out: List[str] = []
@@ -69,11 +77,11 @@ def expand_endpoint(endpoint: str) -> List[str]:
             raise ValueError(f"kvcal: {path} lists no endpoint")
         return out
     if not endpoint.startswith("dns:///"):
-        return [endpoint]
+        return [check_endpoint(endpoint)]
     target = endpoint[len("dns:///"):]
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port:
-        raise ValueError(f"kvcal: '{endpoint}' must be dns:///host:port")
+    host, port, defaulted = parse_host_port(target)
+    if defaulted:
+        log.warning("kvcal: %s has no port: using port %d (the default port)", endpoint, port)
     addresses = set()
     for family, _, _, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
         if family == socket.AF_INET6:
