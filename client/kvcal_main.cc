@@ -117,6 +117,9 @@ void AddConnection(CLI::App* app, ConnectionArgs& c,
                       "(layers are sharded by worker id)")
           ->envname("KVCAL_SERVER")
           ->delimiter(',')
+          // One value per --server (repeat it, or comma-separate): without
+          // this CLI11 reads "[::1]" as a list and drops the brackets.
+          ->allow_extra_args(false)
           ->check(cli::ServerAddress(notices));
   if (required) server->required();
   app->add_option("--auth-token-file", c.auth_token_file,
@@ -854,6 +857,11 @@ int Main(int argc, char** argv) {
        }},
   };
 
+  // A subcommand with a parse-complete callback reads the environment
+  // (KVCAL_SERVER, KVCAL_AUTH_TOKEN_FILE) and checks it when it is the one
+  // run; without one CLI11 reads it for every subcommand, so a bad
+  // KVCAL_SERVER would fail `kvcal inspect`, which takes no --server.
+  for (const auto& command : commands) command.first->parse_complete_callback([] {});
   // Usage errors: one line on stderr, exit 2 (client/README.md "Exit codes").
   if (std::optional<int> exit = cli::Parse(app, argc, argv)) return *exit;
   if (!a.verbose) gpr_set_log_function(QuietGrpcLog);

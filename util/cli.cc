@@ -434,7 +434,17 @@ std::string UsageError(CLI::App& app, const CLI::ParseError& error,
     return absl::StrCat(at.path, ": a subcommand is required: one of ",
                         SubcommandNames(app), help);
   }
-  return absl::StrCat(at.path, ": ", Reword(error), help);
+  std::string message = Reword(error);
+  // "--server is required": say that its environment variable would do.
+  static const std::regex required(R"(^(\S+) is required$)");
+  std::smatch m;
+  if (std::regex_match(message, m, required)) {
+    const CLI::Option* opt = at.command->get_option_no_throw(m[1].str());
+    if (opt != nullptr && !opt->get_envname().empty()) {
+      absl::StrAppend(&message, " (or set ", opt->get_envname(), ")");
+    }
+  }
+  return absl::StrCat(at.path, ": ", message, help);
 }
 
 std::optional<int> Parse(CLI::App& app, int argc, char** argv) {

@@ -34,11 +34,12 @@ using testing::WorkerProcess;
 constexpr char kNowhere[] = "127.0.0.1:1";  // nothing listens on port 1
 
 // kvcal with `args`, without KVCAL_SERVER or KVCAL_AUTH_TOKEN_FILE from the
-// environment deciding anything.
-ProcessResult Kvcal(std::vector<std::string> args) {
+// environment deciding anything (unless `server_env` sets KVCAL_SERVER).
+ProcessResult Kvcal(std::vector<std::string> args,
+                    const std::string& server_env = "") {
   args.insert(args.begin(), KVCAL_CLI_PATH);
   return RunProcess(std::move(args), std::chrono::seconds(120),
-                    {"KVCAL_SERVER=", "KVCAL_AUTH_TOKEN_FILE="});
+                    {"KVCAL_SERVER=" + server_env, "KVCAL_AUTH_TOKEN_FILE="});
 }
 
 class CliTest : public ::testing::Test {
@@ -159,6 +160,35 @@ TEST_F(CliTest, ServerWithoutAPortDialsTheDefaultPortAndSaysSo) {
   } else {
     EXPECT_THAT(r.err, HasSubstr("127.0.0.1:50051"));
   }
+}
+
+TEST_F(CliTest, KvcalServerFromTheEnvironmentIsCheckedOnlyWhereItIsUsed) {
+  // A bad KVCAL_SERVER does not stop a command that takes no --server.
+  ProcessResult r = Kvcal({"inspect", Path("missing-model")}, "worker:abc");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, StartsWith("kvcal inspect: cannot open "));
+  // Where it is used it is checked like --server, and its missing port is
+  // said once.
+  r = Kvcal({"status"}, "worker:abc");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, StartsWith("kvcal status: --server: 'worker:abc': port "
+                                "'abc' is not a number"));
+  r = Kvcal({"status"}, "127.0.0.1");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err,
+            "kvcal: --server 127.0.0.1 has no port: using 127.0.0.1:50051 "
+            "(the default port)\n"
+            "kvcal status: 127.0.0.1:50051: connection refused (is a "
+            "kvcal-worker listening there?)\n");
+  r = Kvcal({"status"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.err,
+            "kvcal status: --server is required (or set KVCAL_SERVER) (see "
+            "'kvcal status --help')\n");
+  // Brackets stay: [::1] is an IPv6 address without a port.
+  r = Kvcal({"status", "--server", "[::1]"});
+  EXPECT_THAT(r.err, StartsWith("kvcal: --server [::1] has no port: using "
+                                "[::1]:50051 (the default port)\n"));
 }
 
 TEST_F(CliTest, ConnectionErrorsAreOneLineAndVerboseHasGrpcsWords) {
