@@ -39,6 +39,30 @@ function(_kvcal_link_closure target out)
   set(${out} ${seen} PARENT_SCOPE)
 endfunction()
 
+# kvcal_forbid_include(<dir> <prefix>...): fails the configure when a source
+# or header under <dir> (relative to the project) includes a path that starts
+# with one of <prefix>, e.g. the service including the CUDA backend's headers
+# instead of asking a backend for a capability.
+function(kvcal_forbid_include dir)
+  file(GLOB_RECURSE files "${PROJECT_SOURCE_DIR}/${dir}/*.cc"
+       "${PROJECT_SOURCE_DIR}/${dir}/*.h")
+  foreach(f IN LISTS files)
+    file(STRINGS "${f}" includes REGEX "^#include \"")
+    foreach(line IN LISTS includes)
+      foreach(prefix IN LISTS ARGN)
+        string(FIND "${line}" "#include \"${prefix}" at)
+        if(at EQUAL 0)
+          file(RELATIVE_PATH rel "${PROJECT_SOURCE_DIR}" "${f}")
+          message(FATAL_ERROR
+            "${rel}: ${line}: ${dir}/ must not include ${prefix}* "
+            "(layering: docs/contributing.md)")
+        endif()
+      endforeach()
+    endforeach()
+  endforeach()
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${files})
+endfunction()
+
 function(kvcal_forbid_link target)
   _kvcal_link_closure(${target} closure)
   foreach(forbidden IN LISTS ARGN)

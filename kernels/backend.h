@@ -22,10 +22,42 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kernels/device_health.h"
+#include "kernels/nonfinite.h"
 #include "kernels/statistics.h"
 #include "kernels/types.h"
 
+// cudaEvent_t is `CUevent_st*`; declared here so that this header needs no
+// CUDA headers.
+struct CUevent_st;
+
 namespace kvcal {
+
+// What a backend whose statistics live in device memory accepts besides host
+// chunks: chunks already in its device's memory (a producer's CUDA IPC
+// region). StatisticsBackend::device_data() hands it out; the service asks
+// for the capability, never for a backend by name.
+class DeviceDataSink {
+ public:
+  virtual ~DeviceDataSink() = default;
+
+  // Like Accumulate, but chunk.data points to memory of this backend's
+  // device; nothing is copied, and the memory must stay valid and unchanged
+  // until Synchronize() or Snapshot() returns. `ready`: an event the producer
+  // recorded after writing the data (null: the data is complete). Each
+  // refusal (chunk, alignment, memory not of this device) is
+  // INVALID_ARGUMENT with nothing applied.
+  [[nodiscard]] virtual absl::Status AccumulateDeviceData(
+      const ChunkView& chunk, CUevent_st* ready) = 0;
+
+  // The NaN and Inf values per head of such a chunk, counted before anything
+  // of it is applied (for sessions that refuse non-finite values). Changes
+  // no state.
+  [[nodiscard]] virtual absl::StatusOr<ChunkNonFinite> CountNonFiniteDeviceData(
+      const ChunkView& chunk) = 0;
+
+  // Waits until everything enqueued has finished; the first device error.
+  [[nodiscard]] virtual absl::Status Synchronize() = 0;
+};
 
 class StatisticsBackend {
  public:
@@ -50,6 +82,10 @@ class StatisticsBackend {
 
   // Bytes of state memory this backend holds (device memory for CUDA).
   virtual size_t StateBytes() const = 0;
+
+  // Device-resident chunks, for a backend that keeps its state on a device
+  // (the CUDA backend); null for one that does not (the CPU backend).
+  virtual DeviceDataSink* device_data() { return nullptr; }
 };
 
 enum class BackendKind { kAuto, kCpu, kCuda };

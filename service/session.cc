@@ -5,7 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/cuda/cuda_backend.h"
 #include "kernels/nonfinite.h"
 #include "util/status_macros.h"
 
@@ -34,11 +33,10 @@ absl::Status CheckStateFinite(const std::string& session_id,
   if (found.total_heads > 0) {
     const NonFiniteHead& h = found.heads.front();
     return absl::InvalidArgumentError(absl::StrCat(
-        "the state holds ", stats.nonfinite_values(),
-        " non-finite values in ", found.total_heads,
-        " heads (first: layer ", h.layer, " ", RoleName(h.role), " head ",
-        h.head, ", ", h.nan, " NaN, ", h.inf, " Inf) and session '",
-        session_id,
+        "the state holds ", stats.nonfinite_values(), " non-finite values in ",
+        found.total_heads, " heads (first: layer ", h.layer, " ",
+        RoleName(h.role), " head ", h.head, ", ", h.nan, " NaN, ", h.inf,
+        " Inf) and session '", session_id,
         "' rejects non-finite values (created with reject_non_finite)"));
   }
   for (const HoldoutChunk& c : holdout) {
@@ -75,10 +73,9 @@ absl::StatusOr<std::shared_ptr<Session>> Session::Create(
   KVCAL_ASSIGN_OR_RETURN(
       std::unique_ptr<StatisticsBackend> backend,
       CreateBackend(options.backend, geometry, options.backend_options));
-  return std::shared_ptr<Session>(new Session(std::move(id), std::move(tenant),
-                                              geometry, std::move(backend),
-                                              options.holdout_budget_bytes,
-                                              options.reject_non_finite));
+  return std::shared_ptr<Session>(new Session(
+      std::move(id), std::move(tenant), geometry, std::move(backend),
+      options.holdout_budget_bytes, options.reject_non_finite));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
@@ -92,8 +89,8 @@ absl::StatusOr<std::shared_ptr<Session>> Session::FromSnapshot(
                      "} does not match its statistics {",
                      stats.geometry().DebugString(), "}"));
   }
-  KVCAL_RETURN_IF_ERROR(CheckStateFinite(
-      id, snapshot.reject_non_finite, stats, snapshot.holdout_chunks));
+  KVCAL_RETURN_IF_ERROR(CheckStateFinite(id, snapshot.reject_non_finite, stats,
+                                         snapshot.holdout_chunks));
   SessionOptions with_budget = options;
   with_budget.holdout_budget_bytes = snapshot.holdout_budget_bytes;
   with_budget.reject_non_finite = snapshot.reject_non_finite;
@@ -144,11 +141,10 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
                         absl::StrCat(describe(), " (layer ", chunk.layer,
                                      "): ", extent.status().message()));
   }
-  // Device data goes to the CUDA backend's device entry point only.
-  auto* const cuda = device_data
-                         ? dynamic_cast<CudaStatisticsBackend*>(backend_.get())
-                         : nullptr;
-  if (device_data && (cuda == nullptr || holdout)) {
+  // Device data goes only to a backend that keeps its state on a device.
+  DeviceDataSink* const device =
+      device_data ? backend_->device_data() : nullptr;
+  if (device_data && (device == nullptr || holdout)) {
     return holdout ? absl::InvalidArgumentError(absl::StrCat(
                          describe(),
                          ": a held-out chunk cannot be in CUDA IPC memory "
@@ -168,9 +164,9 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
   auto check_finite = [&]() -> absl::Status {
     if (!reject_non_finite_ && !holdout) return absl::OkStatus();
     absl::StatusOr<ChunkNonFinite> found =
-        cuda != nullptr ? cuda->CountNonFiniteDeviceData(chunk)
-                        : absl::StatusOr<ChunkNonFinite>(
-                              CountNonFinite(chunk, *extent));
+        device != nullptr
+            ? device->CountNonFiniteDeviceData(chunk)
+            : absl::StatusOr<ChunkNonFinite>(CountNonFinite(chunk, *extent));
     if (!found.ok()) {
       return absl::Status(
           found.status().code(),
@@ -222,10 +218,10 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
     if (holdout) {
       return holdout_.Add(HoldoutChunk::Of(producer_name, sequence, chunk));
     }
-    if (cuda == nullptr) return backend_->Accumulate(chunk);
+    if (device == nullptr) return backend_->Accumulate(chunk);
     // Finished before the response, so the producer may reuse the memory.
-    KVCAL_RETURN_IF_ERROR(cuda->AccumulateDeviceData(chunk, nullptr));
-    return cuda->Synchronize();
+    KVCAL_RETURN_IF_ERROR(device->AccumulateDeviceData(chunk, nullptr));
+    return device->Synchronize();
   };
   if (absl::Status status = apply(); !status.ok()) {
     return absl::Status(status.code(),

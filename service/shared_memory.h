@@ -34,7 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/cuda/cuda_ipc.h"
+#include "kernels/cuda_ipc.h"
 
 namespace kvcal::service {
 

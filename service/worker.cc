@@ -19,7 +19,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/cuda_ipc.h"
+#include "kernels/cuda_ipc.h"
 #include "kernels/device_health.h"
 #include "service/log.h"
 #include "service/shard_map.h"

@@ -29,10 +29,6 @@
 #include "kernels/backend.h"
 #include "kernels/nonfinite.h"
 
-// cudaEvent_t is `CUevent_st*`; declared here so that this header needs no
-// CUDA headers.
-struct CUevent_st;
-
 namespace kvcal {
 
 // True when this build contains the CUDA backend.
@@ -55,8 +51,10 @@ void FailNthCudaAllocationForTesting(int n);
 
 // The CUDA backend with two extra entry points, for benchmarks and for
 // producers whose activations already lie in device memory.
-class CudaStatisticsBackend : public StatisticsBackend {
+class CudaStatisticsBackend : public StatisticsBackend, public DeviceDataSink {
  public:
+  DeviceDataSink* device_data() override { return this; }
+
   // Like Accumulate, but chunk.data points to device memory of this
   // backend's device (chunk.data.size() is still the byte count). Nothing is
   // copied: the memory must stay valid and unchanged until Synchronize() or
@@ -74,8 +72,8 @@ class CudaStatisticsBackend : public StatisticsBackend {
   // stream waits for it on the device, so the read is ordered after the
   // producer's writes without blocking the host. Null means the data is
   // complete already (the producer synchronized).
-  [[nodiscard]] virtual absl::Status AccumulateDeviceData(
-      const ChunkView& chunk, CUevent_st* ready) = 0;
+  [[nodiscard]] absl::Status AccumulateDeviceData(
+      const ChunkView& chunk, CUevent_st* ready) override = 0;
 
   // The NaN and Inf values per head of a chunk in device memory, for a
   // session that refuses non-finite values before anything is applied. The
@@ -84,12 +82,12 @@ class CudaStatisticsBackend : public StatisticsBackend {
   // counted there (kernels/nonfinite.h, the code that counts in-band
   // chunks), before this returns. Changes no state; the data must be
   // complete (the producer synchronized).
-  [[nodiscard]] virtual absl::StatusOr<ChunkNonFinite> CountNonFiniteDeviceData(
-      const ChunkView& chunk) = 0;
+  [[nodiscard]] absl::StatusOr<ChunkNonFinite> CountNonFiniteDeviceData(
+      const ChunkView& chunk) override = 0;
 
   // Waits until everything enqueued has finished; returns the first device
   // error, if any.
-  [[nodiscard]] virtual absl::Status Synchronize() = 0;
+  [[nodiscard]] absl::Status Synchronize() override = 0;
 };
 
 absl::StatusOr<std::unique_ptr<CudaStatisticsBackend>>

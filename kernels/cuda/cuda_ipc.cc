@@ -1,5 +1,5 @@
 // CudaIpcMemory with the CUDA runtime (KVCAL_HAVE_CUDA builds).
-#include "kernels/cuda/cuda_ipc.h"
+#include "kernels/cuda_ipc.h"
 
 #include <cuda.h>
 #include <cuda_runtime.h>

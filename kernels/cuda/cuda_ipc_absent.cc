@@ -1,6 +1,6 @@
 // Stand-in for builds without the CUDA backend.
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/cuda_ipc.h"
+#include "kernels/cuda_ipc.h"
 #include "util/status_macros.h"
 
 namespace kvcal {

@@ -1,5 +1,5 @@
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/cuda_ipc.h"
+#include "kernels/cuda_ipc.h"
 
 namespace kvcal {
 

@@ -2,15 +2,17 @@
 // (cudaIpcGetMemHandle there, cudaIpcOpenMemHandle here), for chunks that a
 // producer leaves on its GPU (docs/shared_memory.md "CUDA IPC"). No CUDA
 // types, so the rest of the tree compiles without nvcc; without the CUDA
-// backend Open is FailedPrecondition.
+// backend Open is FailedPrecondition. The interface lives here, beside
+// backend.h, so that the service uses it without including anything of
+// kernels/cuda/ (which implements it: cuda_ipc.cc, cuda_ipc_absent.cc).
 //
 //   KVCAL_ASSIGN_OR_RETURN(std::unique_ptr<CudaIpcMemory> memory,
 //                          CudaIpcMemory::Open(handle_bytes, /*device=*/0,
 //                                              /*byte_size=*/64 << 20));
 //   chunk.data = {memory->data() + offset, n};   // device pointer
-//   backend->AccumulateDeviceData(chunk, nullptr);
-#ifndef KVCAL_KERNELS_CUDA_CUDA_IPC_H_
-#define KVCAL_KERNELS_CUDA_CUDA_IPC_H_
+//   backend->device_data()->AccumulateDeviceData(chunk, nullptr);
+#ifndef KVCAL_KERNELS_CUDA_IPC_H_
+#define KVCAL_KERNELS_CUDA_IPC_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -50,4 +52,4 @@ absl::Status ValidateCudaIpcRequest(absl::string_view handle, int device,
 
 }  // namespace kvcal
 
-#endif  // KVCAL_KERNELS_CUDA_CUDA_IPC_H_
+#endif  // KVCAL_KERNELS_CUDA_IPC_H_
