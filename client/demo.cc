@@ -179,6 +179,38 @@ void PrintDemoEnd(std::ostream& out, absl::Duration took,
       model_dir, dir, dump_dir, model_dir);
 }
 
+// Step 3: the dumps in small chunks (so that the demo shows splitting).
+absl::StatusOr<PushSummary> PushDemoDumps(CalibrationClient& client,
+                                          const std::string& session_id,
+                                          const std::string& dump_dir,
+                                          std::ostream* steps) {
+  UploaderOptions upload;
+  upload.producer_id = "demo";
+  upload.max_chunk_bytes = 64 << 10;
+  KVCAL_ASSIGN_OR_RETURN(PushSummary pushed,
+                         PushDump(client, session_id, dump_dir, upload,
+                                  /*progress=*/steps != nullptr));
+  if (steps) {
+    *steps << absl::StrFormat(
+        "[3/6] pushed %u tensors as %u chunks (%.1f MiB) in %.2fs\n",
+        pushed.tensors, pushed.upload.chunks, pushed.upload.bytes / 1048576.0,
+        absl::ToDoubleSeconds(pushed.elapsed));
+  }
+  return pushed;
+}
+
+// After step 4: what the two observers' scales say, and when per head is
+// worth it.
+void PrintGranularityAdvice(std::ostream& out, double ratio) {
+  out << absl::StrFormat(
+      "      median mse/static-minmax scale ratio: %.3f (MSE clips the heavy "
+      "tails)\n"
+      "      per tensor loads on every vLLM attention backend; per head "
+      "(--granularity head) starts only on FlashAttention 3 (Hopper), so "
+      "take it only where `kvcal report` shows it helps your model\n",
+      ratio);
+}
+
 }  // namespace
 
 absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
@@ -216,34 +248,16 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
   }
 
   // 3. Push.
-  UploaderOptions upload;
-  upload.producer_id = "demo";
-  upload.max_chunk_bytes = 64 << 10;  // small, so the demo shows splitting
   KVCAL_ASSIGN_OR_RETURN(
-      PushSummary pushed,
-      PushDump(*client, session.session_id(), dump_dir, upload,
-               /*progress=*/text));
-  if (text) {
-    out << absl::StrFormat(
-        "[3/6] pushed %u tensors as %u chunks (%.1f MiB) in %.2fs\n",
-        pushed.tensors, pushed.upload.chunks, pushed.upload.bytes / 1048576.0,
-        absl::ToDoubleSeconds(pushed.elapsed));
-  }
+      const PushSummary pushed,
+      PushDemoDumps(*client, session.session_id(), dump_dir, steps));
 
   // 4. Finalize per tensor with two observers.
   double ratio = 0;  // median mse / static-minmax scale
   KVCAL_ASSIGN_OR_RETURN(
       const Json observers,
       FinalizeBothObservers(*client, session.session_id(), dir, steps, ratio));
-  if (text) {
-    out << absl::StrFormat(
-        "      median mse/static-minmax scale ratio: %.3f (MSE clips the heavy "
-        "tails)\n"
-        "      per tensor loads on every vLLM attention backend; per head "
-        "(--granularity head) starts only on FlashAttention 3 (Hopper), so "
-        "take it only where `kvcal report` shows it helps your model\n",
-        ratio);
-  }
+  if (text) PrintGranularityAdvice(out, ratio);
 
   // 5. Patch in place with the static min-max scales (the recommended
   // observer), then inspect.
