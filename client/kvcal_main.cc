@@ -105,6 +105,27 @@ absl::StatusOr<VllmLoadOptions> InspectOptions(const Args& a) {
   return options;
 }
 
+// A named value (an observer, a format, a target, ...) checked when the
+// command line is read, by the function that reads it later: a wrong name
+// is a usage error (exit 2) before anything connects, with a guess among
+// `names` ("a, b, c") for a typo.
+template <typename Parse>
+CLI::Validator Named(Parse parse, std::string names) {
+  return CLI::Validator(
+      [parse, names](std::string& value) -> std::string {
+        const auto parsed = parse(value);
+        if (parsed.ok()) return "";
+        std::string message(parsed.status().message());
+        const std::string guess = cli::Suggest(
+            value, absl::StrSplit(names, ", ", absl::SkipEmpty()));
+        if (!guess.empty()) absl::StrAppend(&message, "; did you mean '", guess, "'?");
+        return message;
+      },
+      "NAME");
+}
+
+const std::string kPatchTargets = "compressed-tensors, modelopt, quark";
+
 // --server, --auth-token-file and the TLS flags; `required` for the commands
 // that always talk to a worker (report needs one only with --session).
 void AddConnection(CLI::App* app, ConnectionArgs& c,
@@ -141,6 +162,7 @@ void AddFinalize(CLI::App* app, FinalizeArgs& f) {
                   CliNames(v1::Observer_descriptor()) +
                       " (or the name config.json records); auto: every "
                       "observer, judged on the held-out batches")
+      ->check(Named(ParseObserver, CliNames(v1::Observer_descriptor())))
       ->capture_default_str();
   app->add_flag("--evaluate", f.evaluate,
                 "also measure the scales' FP8 attention error on the "
@@ -152,8 +174,10 @@ void AddFinalize(CLI::App* app, FinalizeArgs& f) {
                 "best per layer)");
   app->add_option("--granularity", f.granularity,
                   CliNames(v1::Granularity_descriptor()))
+      ->check(Named(ParseGranularity, CliNames(v1::Granularity_descriptor())))
       ->capture_default_str();
   app->add_option("--format", f.format, CliNames(v1::Format_descriptor()))
+      ->check(Named(ParseFormat, CliNames(v1::Format_descriptor())))
       ->capture_default_str();
   // 0 = the worker's default; the defaults live in ScaleOptions, the valid
   // ranges in ScaleOptions::Validate (kernels/scale_math.cc): checked here
@@ -724,6 +748,7 @@ CLI::App* AddPatchCommand(CLI::App& app, Args& a) {
       "--out", a.out_dir,
       "write a patched copy here (default: patch in place, crash-safe)");
   sub->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
+      ->check(Named(ParsePatchTarget, kPatchTargets))
       ->capture_default_str();
   AddJsonFlag(sub, a);
   return sub;
@@ -740,6 +765,7 @@ CLI::App* AddInspectCommand(CLI::App& app, Args& a) {
       ->capture_default_str();
   sub->add_option("--platform", a.platform,
                   "cuda, or rocm (fp8 e4m3fnuz hardware such as MI300)")
+      ->check(Named(ParseVllmPlatform, "cuda, rocm"))
       ->capture_default_str();
   AddJsonFlag(sub, a);
   return sub;
@@ -777,6 +803,7 @@ CLI::App* AddCalibrateCommand(CLI::App& app, Args& a) {
                   "scales file (default: ./kvcal-scales-SESSION.safetensors)");
   sub->add_option("--out", a.out_dir, "write a patched copy here");
   sub->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
+      ->check(Named(ParsePatchTarget, kPatchTargets))
       ->capture_default_str();
   sub->add_option("DUMP_DIR", a.dump_dir, "directory of *.safetensors dumps")
       ->required();
@@ -802,6 +829,7 @@ CLI::App* AddReportCommand(CLI::App& app, Args& a) {
                   "repeat for several");
   sub->add_option("--format", a.report_format,
                   "fp8-e4m3fn|fp8-e4m3fnuz|fp8-e5m2|int8")
+      ->check(Named(ParseFormat, CliNames(v1::Format_descriptor())))
       ->capture_default_str();
   sub->add_option("-o,--output", a.output, "report.html to write")->required();
   AddJsonFlag(sub, a);

@@ -125,6 +125,42 @@ TEST_F(CliTest, ImpossibleNumbersAreUsageErrorsNamingFlagAndRange) {
   }
 }
 
+TEST_F(CliTest, UnknownNamesAreUsageErrorsWithAGuess) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"finalize", "--server", kNowhere, "--session", "s", "-o", "x",
+        "--observer", "msee"},
+       "kvcal finalize: --observer: unknown observer 'msee' (static-minmax, "
+       "minmax-ema, memoryless-minmax, mse, percentile, auto); did you mean "
+       "'mse'?"},
+      {{"finalize", "--server", kNowhere, "--session", "s", "-o", "x",
+        "--granularity", "heads"},
+       "kvcal finalize: --granularity: unknown granularity 'heads' (tensor, "
+       "head); did you mean 'head'?"},
+      {{"patch", "--checkpoint", "m", "--scales", "s", "--target", "modelop"},
+       "kvcal patch: --target: unknown target 'modelop' (compressed-tensors, "
+       "modelopt or quark); did you mean 'modelopt'?"},
+      {{"inspect", "m", "--platform", "amd"},
+       "kvcal inspect: --platform: unknown platform 'amd' (cuda or rocm)"},
+      {{"report", "--scales", "s", "-o", "r.html", "--format", "fp9"},
+       "kvcal report: --format: unknown format 'fp9'"},
+  };
+  for (const Case& c : cases) {
+    const ProcessResult r = Kvcal(c.args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_THAT(r.ErrLines(), SizeIs(1)) << r.err;
+    EXPECT_THAT(r.err, StartsWith(c.message));
+  }
+  // Every spelling config.json records is still a name.
+  const ProcessResult r =
+      Kvcal({"finalize", "--server", kNowhere, "--session", "s", "-o", "x",
+             "--observer", "static_minmax", "--granularity", "attn_head"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;  // parsed; nothing listens on port 1
+}
+
 TEST_F(CliTest, TyposGetASuggestion) {
   ProcessResult r = Kvcal({"calibrat"});
   EXPECT_EQ(r.exit_code, 2);
