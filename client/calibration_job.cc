@@ -11,6 +11,7 @@
 #include "client/progress.h"
 #include "kernels/scale_math.h"
 #include "proto/names.h"
+#include "util/file_io.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
@@ -142,6 +143,8 @@ absl::StatusOr<FinalizeSummary> FinalizeToFile(
     CalibrationClient& client, const v1::FinalizeRequest& request,
     const std::string& out_path) {
   FinalizeSummary summary;
+  // A path that cannot be written is refused before the worker works.
+  if (!out_path.empty()) KVCAL_RETURN_IF_ERROR(CheckOutputPath(out_path));
   KVCAL_ASSIGN_OR_RETURN(summary.response, client.Finalize(request));
   CalibratedScales& scales = summary.scales;
   // The worker echoes the request with its defaults resolved: the scales

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/checkpoint_lock.h"
 #include "client/checkpoint_patcher.h"
 #include "client/model_config.h"
 #include "client/safetensors.h"
@@ -160,6 +161,30 @@ void AddVllmPrediction(const Json& config, const ModelGeometry& g,
   for (const std::string& n : report.vllm.notes) report.warnings.push_back(n);
 }
 
+// Staged files or a journal in the staging directory, or a lock file that
+// still names its (dead) holder: nullopt when there are none, else the
+// holder the lock file names ("" when it names none).
+std::optional<std::string> InterruptedPatchLeft(const fs::path& dir) {
+  std::error_code ec;
+  const fs::path staging = dir / kPatchStagingDir;
+  if (!fs::is_directory(staging, ec)) return std::nullopt;
+  bool left = false;
+  std::string holder;
+  for (const fs::directory_entry& e : fs::directory_iterator(staging, ec)) {
+    if (e.path().filename() != kCheckpointLockName) {
+      left = true;
+      continue;
+    }
+    absl::StatusOr<std::string> line = ReadSmallFile(e.path().string());
+    if (line.ok() && !line->empty()) {
+      left = true;
+      holder = ParseLockHolder(*line).Describe();
+    }
+  }
+  if (!left) return std::nullopt;
+  return holder;
+}
+
 }  // namespace
 
 absl::StatusOr<InspectReport> InspectCheckpoint(
@@ -168,11 +193,21 @@ absl::StatusOr<InspectReport> InspectCheckpoint(
   const fs::path dir(dir_name);
   InspectReport report;
   report.checkpoint_dir = dir_name;
-  std::error_code ec;
-  if (fs::exists(dir / kPatchStagingDir, ec)) {
-    report.errors.push_back(
-        absl::StrCat("an interrupted kvcal patch left ", kPatchStagingDir,
-                     "/; run `kvcal patch` again to complete or discard it"));
+  // A writer at work (its lock held: a non-blocking probe), or what one
+  // that died left behind (staged files, a journal, its name in the lock).
+  absl::StatusOr<std::optional<std::string>> writer = PatchInProgress(dir_name);
+  if (!writer.ok()) {
+    report.errors.push_back(std::string(writer.status().message()));
+  } else if (*writer) {
+    report.errors.push_back(absl::StrCat(
+        "a kvcal patch is in progress: ", **writer,
+        "; what follows may change when it finishes: inspect again then"));
+  } else if (std::optional<std::string> holder = InterruptedPatchLeft(dir)) {
+    report.errors.push_back(absl::StrCat(
+        "an interrupted kvcal patch left ", kPatchStagingDir, "/",
+        holder->empty() ? ""
+                        : absl::StrCat(" (its holder, ", *holder, ", is gone)"),
+        "; run `kvcal patch` again to complete or discard it"));
   }
   KVCAL_ASSIGN_OR_RETURN(Json config, ReadConfig(dir, report));
   KVCAL_ASSIGN_OR_RETURN(ModelGeometry g, ModelGeometryFromConfig(config));

@@ -1,6 +1,7 @@
 #include "client/checkpoint_patcher.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,13 +11,18 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
+#include <optional>
 #include <regex>
 #include <set>
 #include <system_error>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "client/checkpoint_lock.h"
 #include "client/model_config.h"
 #include "client/safetensors.h"
 #include "client/scales_file.h"
@@ -99,6 +105,63 @@ absl::Status Rename(const fs::path& from, const fs::path& to) {
         absl::StrCat("cannot rename ", from.string(), " to ", to.string()), ec);
   }
   return absl::OkStatus();
+}
+
+// The staging directory's entries other than the lock file: what an
+// interrupted patch left (staged files, a journal).
+absl::StatusOr<std::vector<fs::path>> StagedEntries(const fs::path& staging) {
+  std::vector<fs::path> entries;
+  std::error_code ec;
+  if (!fs::exists(staging, ec)) return entries;
+  for (const fs::directory_entry& e : fs::directory_iterator(staging, ec)) {
+    if (e.path().filename() != kCheckpointLockName) entries.push_back(e.path());
+  }
+  if (ec) return FsError(absl::StrCat("cannot list ", staging.string()), ec);
+  return entries;
+}
+
+// Removes everything in the staging directory but the lock file (whose
+// holder, this process, removes it when it releases the lock).
+absl::Status ClearStaging(const fs::path& staging) {
+  KVCAL_ASSIGN_OR_RETURN(std::vector<fs::path> entries, StagedEntries(staging));
+  std::error_code ec;
+  for (const fs::path& entry : entries) {
+    fs::remove_all(entry, ec);
+    if (ec) return FsError(absl::StrCat("cannot remove ", entry.string()), ec);
+  }
+  return absl::OkStatus();
+}
+
+// A word of a shell command, quoted when it needs to be.
+std::string ShellWord(const std::string& word) {
+  if (!word.empty() &&
+      word.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV"
+                             "WXYZ0123456789_-./=:,+@%") == std::string::npos) {
+    return word;
+  }
+  std::string quoted = "'";
+  for (char c : word) {
+    if (c == '\'') {
+      quoted += "'\\''";
+    } else {
+      quoted += c;
+    }
+  }
+  return quoted + "'";
+}
+
+// The command that completes a committed patch: patch runs recovery first
+// (the journal's renames), then patches the same scales again, which writes
+// the same bytes.
+std::string CompletionCommand(const PatchOptions& options) {
+  std::string command = absl::StrCat(
+      "kvcal patch --checkpoint ", ShellWord(options.checkpoint_dir),
+      " --scales ", ShellWord(options.scales_path));
+  if (options.target != PatchTarget::kCompressedTensors) {
+    absl::StrAppend(&command, " --target ",
+                    std::string(PatchTargetName(options.target)));
+  }
+  return command;
 }
 
 absl::StatusOr<Json> ReadJsonFile(const fs::path& path) {
@@ -837,33 +900,101 @@ struct Staged {
   bool in_place = true;
   fs::path out_dir;
   fs::path staging;
+  // With --out: the flock on OUT.kvcal-partial, held until the patch ends.
+  std::shared_ptr<FileDescriptor> claim;
 };
 
-absl::StatusOr<Staged> Stage(const Checkpoint& c, const PatchPlan& plan,
-                             const PatchOptions& options, Steps& crash,
-                             PatchProgress& progress, PatchReport& report) {
+// With --out, one patch at a time builds OUT.kvcal-partial (two copies of
+// one source may run at once under the source's shared lock): an exclusive
+// flock on the directory itself, which stays with it when it is renamed to
+// OUT. A leftover of a dead run is not locked and is reused.
+absl::StatusOr<std::shared_ptr<FileDescriptor>> ClaimOutputStaging(
+    const fs::path& partial, const fs::path& out, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+      return ErrnoError("cannot create", partial.string(),
+                        absl::StatusCode::kFailedPrecondition);
+    }
+    auto fd = std::make_shared<FileDescriptor>(::open(
+        partial.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (fd->get() < 0) {
+      if (errno == ENOENT) continue;  // renamed or removed by its owner
+      if (errno == ENOTDIR || errno == ELOOP) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            partial.string(),
+            " exists and is not a directory; kvcal builds the --out copy "
+            "there: move it away"));
+      }
+      return ErrnoError("cannot open", partial.string(),
+                        absl::StatusCode::kFailedPrecondition);
+    }
+    if (::flock(fd->get(), LOCK_EX | LOCK_NB) == 0) {
+      struct stat mine, now;
+      if (::fstat(fd->get(), &mine) == 0 &&
+          ::lstat(partial.c_str(), &now) == 0 && mine.st_dev == now.st_dev &&
+          mine.st_ino == now.st_ino) {
+        return fd;
+      }
+      continue;
+    }
+    if (errno != EWOULDBLOCK) {
+      return ErrnoError("cannot lock", partial.string(),
+                        absl::StatusCode::kFailedPrecondition);
+    }
+    if (absl::Now() >= deadline) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("another kvcal patch is writing ", out.string(), " (",
+                       partial.string(),
+                       " is locked); run again when it has finished, or pass "
+                       "--lock-timeout SECONDS to wait"));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+absl::StatusOr<Staged> Stage(const Checkpoint& c, const PatchOptions& options,
+                             Steps& crash, PatchReport& report) {
   Staged staged;
   staged.in_place = options.out_dir.empty();
-  staged.out_dir = staged.in_place ? c.dir : fs::path(options.out_dir);
-  staged.staging = staged.in_place
-                       ? c.dir / kPatchStagingDir
-                       : fs::path(options.out_dir + ".kvcal-partial");
+  std::string out = options.out_dir;
+  while (out.size() > 1 && out.back() == '/') out.pop_back();  // "copy/"
+  staged.out_dir = staged.in_place ? c.dir : fs::path(out);
+  staged.staging = staged.in_place ? c.dir / kPatchStagingDir
+                                   : fs::path(out + ".kvcal-partial");
   report.output_dir = staged.out_dir.string();
   std::error_code ec;
   if (!staged.in_place) {
+    if (staged.staging.has_parent_path()) {
+      fs::create_directories(staged.staging.parent_path(), ec);
+    }
+    KVCAL_ASSIGN_OR_RETURN(staged.claim,
+                           ClaimOutputStaging(staged.staging, staged.out_dir,
+                                              options.lock_timeout));
     if (fs::exists(staged.out_dir, ec) && !fs::is_empty(staged.out_dir, ec)) {
+      fs::remove_all(staged.staging, ec);  // ours, locked
       return absl::AlreadyExistsError(absl::StrCat("output directory ",
                                                    staged.out_dir.string(),
                                                    " exists and is not empty"));
     }
-    fs::remove_all(staged.staging, ec);
+    // What a dead run left: its files go, the (locked) directory stays.
+    for (const fs::directory_entry& e :
+         fs::directory_iterator(staged.staging, ec)) {
+      fs::remove_all(e.path(), ec);
+    }
   }
+  // In place, the staging directory holds the lock file already.
   fs::create_directories(staged.staging, ec);
   if (ec) {
     return FsError(absl::StrCat("cannot create ", staged.staging.string()), ec);
   }
   crash.Step();
+  return staged;
+}
 
+absl::Status StageFiles(const Checkpoint& c, const PatchPlan& plan,
+                        const Staged& staged, Steps& crash,
+                        PatchProgress& progress, PatchReport& report) {
   for (const FilePlan& f : plan.files) {
     KVCAL_RETURN_IF_ERROR(WriteStagedFile(f, plan.new_tensors,
                                           staged.staging / f.name, progress));
@@ -872,12 +1003,12 @@ absl::StatusOr<Staged> Stage(const Checkpoint& c, const PatchPlan& plan,
   }
   if (c.sharded) {
     KVCAL_ASSIGN_OR_RETURN(Json index, UpdatedIndex(c, plan, staged.staging));
-    KVCAL_RETURN_IF_ERROR(WriteFileSynced(
+    KVCAL_RETURN_IF_ERROR(WriteOutputFile(
         (staged.staging / kIndexName).string(), index.dump(2) + "\n"));
     report.files_written.push_back(kIndexName);
     crash.Step();
   }
-  KVCAL_RETURN_IF_ERROR(WriteFileSynced((staged.staging / kConfigName).string(),
+  KVCAL_RETURN_IF_ERROR(WriteOutputFile((staged.staging / kConfigName).string(),
                                         plan.config.dump(2) + "\n"));
   report.files_written.push_back(kConfigName);
   crash.Step();
@@ -890,7 +1021,7 @@ absl::StatusOr<Staged> Stage(const Checkpoint& c, const PatchPlan& plan,
     }
     crash.Step();
   }
-  return staged;
+  return absl::OkStatus();
 }
 
 // Step 4, verify: every kept tensor of every rewritten or copied file equals
@@ -913,9 +1044,11 @@ absl::Status Verify(const Checkpoint& c, const PatchPlan& plan,
 
 // Step 5, commit. In place: the journal is the commit point, then the
 // renames (new shard first, config.json last: every state in between
-// loads); with --out: one rename of the staging directory.
+// loads); with --out: one rename of the staging directory. `committed` says
+// whether a failure came after the commit point.
 absl::Status Commit(const Checkpoint& c, const PatchPlan& plan,
-                    const Staged& staged, Steps& crash) {
+                    const Staged& staged, Steps& crash, bool& committed) {
+  committed = false;
   if (!staged.in_place) {
     std::error_code ec;
     KVCAL_RETURN_IF_ERROR(SyncDirectory(staged.staging.string()));
@@ -923,6 +1056,7 @@ absl::Status Commit(const Checkpoint& c, const PatchPlan& plan,
       fs::remove(staged.out_dir, ec);  // empty, checked
     }
     KVCAL_RETURN_IF_ERROR(Rename(staged.staging, staged.out_dir));
+    committed = true;
     const fs::path parent = staged.out_dir.parent_path();
     return SyncDirectory(parent.empty() ? std::string(".") : parent.string());
   }
@@ -938,21 +1072,63 @@ absl::Status Commit(const Checkpoint& c, const PatchPlan& plan,
   journal.renames.push_back(kConfigName);
   const fs::path& staging = staged.staging;
   KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
-  const fs::path journal_tmp = staging / "COMMIT.tmp";
+  // Temporary file, fsync, rename, fsync of the directory: the journal is
+  // there whole or not at all.
   KVCAL_RETURN_IF_ERROR(
-      WriteFileSynced(journal_tmp.string(), journal.Serialize()));
-  KVCAL_RETURN_IF_ERROR(Rename(journal_tmp, staging / kJournalName));
-  KVCAL_RETURN_IF_ERROR(SyncDirectory(staging.string()));
+      WriteOutputFile((staging / kJournalName).string(), journal.Serialize()));
+  committed = true;
   crash.Step();  // committed: from here on, recovery rolls forward
   for (const std::string& name : journal.renames) {
     KVCAL_RETURN_IF_ERROR(Rename(staging / name, c.dir / name));
     crash.Step();
   }
   KVCAL_RETURN_IF_ERROR(SyncDirectory(c.dir.string()));
-  std::error_code ec;
-  fs::remove_all(staging, ec);
-  if (ec) return FsError(absl::StrCat("cannot remove ", staging.string()), ec);
+  // The journal last: until it is gone, a rerun completes the renames.
+  KVCAL_RETURN_IF_ERROR(ClearStaging(staging));
   return SyncDirectory(c.dir.string());
+}
+
+// Completes or discards what an interrupted patch left in the staging
+// directory; the caller holds the exclusive lock. `rerun`: the command that
+// retries, for the message when completing fails.
+absl::StatusOr<std::string> RecoverLocked(const fs::path& dir,
+                                          const std::string& rerun) {
+  const fs::path staging = dir / kPatchStagingDir;
+  KVCAL_ASSIGN_OR_RETURN(std::vector<fs::path> left, StagedEntries(staging));
+  if (left.empty()) return std::string();
+  const fs::path journal = staging / kJournalName;
+  std::error_code ec;
+  std::string what;
+  if (fs::exists(journal, ec)) {
+    KVCAL_ASSIGN_OR_RETURN(PatchJournal committed,
+                           PatchJournal::Parse(journal));
+    auto failed = [&](const absl::Status& status) {
+      return absl::Status(
+          status.code(),
+          absl::StrCat("cannot complete the interrupted patch of ",
+                       dir.string(), " that its journal ", journal.string(),
+                       " records: ", status.message(),
+                       "; fix the cause, then run `", rerun,
+                       "` again: it completes the renames the journal lists"));
+    };
+    for (const std::string& name : committed.renames) {
+      const fs::path from = staging / name;
+      if (fs::exists(from, ec)) {
+        if (absl::Status s = Rename(from, dir / name); !s.ok()) {
+          return failed(s);
+        }
+      }
+    }
+    if (absl::Status s = SyncDirectory(dir.string()); !s.ok()) {
+      return failed(s);
+    }
+    what = "completed an interrupted patch (its journal was committed)";
+  } else {
+    what = "discarded an interrupted patch that had not committed";
+  }
+  KVCAL_RETURN_IF_ERROR(ClearStaging(staging));
+  KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));
+  return what;
 }
 
 }  // namespace
@@ -964,35 +1140,42 @@ absl::Status CheckShardFileName(absl::string_view name) {
         absl::StrCat("shard file name '", name,
                      "' is not a plain file name in the checkpoint directory"));
   }
+  if (name == kJournalName || name == kCheckpointLockName ||
+      absl::EndsWith(name, kOutputTempSuffix)) {
+    // Staged beside the journal and the lock, it would replace them.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shard file name '", name, "' is one kvcal reserves for its patches"));
+  }
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> RecoverInterruptedPatch(
     const std::string& checkpoint_dir) {
-  const fs::path dir(checkpoint_dir);
-  const fs::path staging = dir / kPatchStagingDir;
   std::error_code ec;
-  if (!fs::exists(staging, ec)) return std::string();
-  const fs::path journal = staging / kJournalName;
-  std::string what;
-  if (fs::exists(journal, ec)) {
-    KVCAL_ASSIGN_OR_RETURN(PatchJournal committed,
-                           PatchJournal::Parse(journal));
-    for (const std::string& name : committed.renames) {
-      const fs::path from = staging / name;
-      if (fs::exists(from, ec)) {
-        KVCAL_RETURN_IF_ERROR(Rename(from, dir / name));
-      }
-    }
-    KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));
-    what = "completed an interrupted patch (its journal was committed)";
-  } else {
-    what = "discarded an interrupted patch that had not committed";
+  if (!fs::exists(fs::path(checkpoint_dir) / kPatchStagingDir, ec)) {
+    return std::string();
   }
-  fs::remove_all(staging, ec);
-  if (ec) return FsError(absl::StrCat("cannot remove ", staging.string()), ec);
-  KVCAL_RETURN_IF_ERROR(SyncDirectory(dir.string()));
-  return what;
+  KVCAL_ASSIGN_OR_RETURN(CheckpointLock lock,
+                         CheckpointLock::Acquire(checkpoint_dir, {}));
+  return RecoverLocked(checkpoint_dir, absl::StrCat("kvcal patch --checkpoint ",
+                                                    ShellWord(checkpoint_dir),
+                                                    " --scales SCALES"));
+}
+
+absl::StatusOr<CheckpointLock> LockCheckpointForPatch(
+    const PatchOptions& options) {
+  CheckpointLockOptions lock_options{.timeout = options.lock_timeout,
+                                     .shared = !options.out_dir.empty(),
+                                     .on_wait = options.on_lock_wait};
+  if (lock_options.shared) {
+    // Only an exclusive holder may complete or discard an interrupted patch
+    // of the source.
+    KVCAL_ASSIGN_OR_RETURN(
+        std::vector<fs::path> left,
+        StagedEntries(fs::path(options.checkpoint_dir) / kPatchStagingDir));
+    if (!left.empty()) lock_options.shared = false;
+  }
+  return CheckpointLock::Acquire(options.checkpoint_dir, lock_options);
 }
 
 absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
@@ -1004,8 +1187,30 @@ absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
     return absl::NotFoundError(
         absl::StrCat("checkpoint directory ", dir.string(), " not found"));
   }
-  KVCAL_ASSIGN_OR_RETURN(report.recovered,
-                         RecoverInterruptedPatch(options.checkpoint_dir));
+  // From before the first read of config.json to the last rename.
+  std::optional<CheckpointLock> own_lock;
+  const CheckpointLock* lock = options.lock;
+  if (lock == nullptr) {
+    KVCAL_ASSIGN_OR_RETURN(own_lock, LockCheckpointForPatch(options));
+    lock = &*own_lock;
+  } else if (lock->checkpoint_dir() != options.checkpoint_dir ||
+             (options.out_dir.empty() && !lock->exclusive())) {
+    return absl::InternalError(absl::StrCat(
+        "PatchOptions::lock is not an exclusive lock on ", dir.string()));
+  }
+  const std::string rerun = CompletionCommand(options);
+  if (!lock->stale_holder().empty()) {
+    report.recovered = absl::StrCat("took over a stale lock (its holder, ",
+                                    lock->stale_holder(), ", is gone)");
+  }
+  if (lock->exclusive()) {
+    KVCAL_ASSIGN_OR_RETURN(std::string recovered, RecoverLocked(dir, rerun));
+    if (!recovered.empty()) {
+      report.recovered = report.recovered.empty()
+                             ? recovered
+                             : absl::StrCat(report.recovered, "; ", recovered);
+    }
+  }
   KVCAL_ASSIGN_OR_RETURN(CalibratedScales scales,
                          ReadScalesFile(options.scales_path));
   KVCAL_ASSIGN_OR_RETURN(Checkpoint checkpoint, Discover(dir));
@@ -1014,11 +1219,44 @@ absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
                          Plan(checkpoint, scales, options, report));
   PatchProgress progress(options.on_progress, plan.bytes_to_write,
                          plan.bytes_to_verify);
-  KVCAL_ASSIGN_OR_RETURN(
-      Staged staged, Stage(checkpoint, plan, options, crash, progress, report));
-  KVCAL_RETURN_IF_ERROR(Verify(checkpoint, plan, staged, progress, report));
-  crash.Step();
-  KVCAL_RETURN_IF_ERROR(Commit(checkpoint, plan, staged, crash));
+  KVCAL_ASSIGN_OR_RETURN(Staged staged,
+                         Stage(checkpoint, options, crash, report));
+  bool committed = false;
+  absl::Status status =
+      StageFiles(checkpoint, plan, staged, crash, progress, report);
+  if (status.ok()) {
+    status = Verify(checkpoint, plan, staged, progress, report);
+  }
+  if (status.ok()) {
+    crash.Step();
+    status = Commit(checkpoint, plan, staged, crash, committed);
+  }
+  if (!status.ok() && !committed) {
+    // Nothing changed: what was staged goes (a partial file included).
+    if (staged.in_place) {
+      (void)ClearStaging(staged.staging);
+    } else {
+      fs::remove_all(staged.staging, ec);
+    }
+    return absl::Status(
+        status.code(),
+        absl::StrCat(status.message(), "; ",
+                     staged.in_place ? dir.string() : staged.out_dir.string(),
+                     staged.in_place ? " is unchanged" : " was not created",
+                     " and the staged files were removed"));
+  }
+  if (!status.ok() && staged.in_place) {
+    return absl::Status(
+        status.code(),
+        absl::StrCat(
+            "the patch of ", dir.string(),
+            " committed but did not complete: ", status.message(),
+            "; its journal ", (staged.staging / kJournalName).string(),
+            " lists the renames left (the checkpoint loads meanwhile, each "
+            "file old or new). Fix the cause, then run `",
+            rerun, "`: it completes them first"));
+  }
+  KVCAL_RETURN_IF_ERROR(status);
   crash.Step();
   return report;
 }

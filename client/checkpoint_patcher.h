@@ -29,6 +29,14 @@
 // 0.34's rules checked), stage (write and fsync into the staging
 // directory), verify (byte for byte), commit (journal, then renames).
 //
+// One writer per checkpoint: the whole patch, from the first read of
+// config.json to the last rename, holds the checkpoint's lock
+// (checkpoint_lock.h; a shared one on the source with out_dir). Recovery of
+// an interrupted patch runs only under the exclusive lock, so it never
+// touches a live patch's staging area. A failure before the commit point
+// removes what was staged (the checkpoint is unchanged); a failure after it
+// names the journal and the command that completes the patch.
+//
 // A corrupt journal is a DATA_LOSS error that says what to do, never a
 // crash. PatchOptions::on_step is a test seam: the fault-injection test kills
 // the process at each step in turn.
@@ -44,6 +52,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "client/checkpoint_lock.h"
 #include "client/tensor_names.h"
 
 namespace kvcal {
@@ -70,7 +80,23 @@ struct PatchOptions {
   // (written, or copied with out_dir) plus bytes verified so far, and their
   // total (known once the patch is planned).
   std::function<void(uint64_t done_bytes, uint64_t total_bytes)> on_progress;
+  // How long to wait for the checkpoint's lock while another process holds
+  // it; zero: refuse at once, naming the holder.
+  absl::Duration lock_timeout = absl::ZeroDuration();
+  // Called once when waiting for the lock, with the holder's description.
+  std::function<void(const std::string& holder)> on_lock_wait;
+  // A lock the caller already holds, from LockCheckpointForPatch with these
+  // options (`kvcal calibrate` takes it before it reads config.json); then
+  // PatchCheckpoint takes none itself.
+  const CheckpointLock* lock = nullptr;
 };
+
+// The lock PatchCheckpoint takes for `options`: exclusive in place; shared
+// on the source with out_dir (several copies may be made at once), unless
+// the source holds an interrupted patch, which only an exclusive holder may
+// complete or discard.
+absl::StatusOr<CheckpointLock> LockCheckpointForPatch(
+    const PatchOptions& options);
 
 struct PatchReport {
   std::string output_dir;
@@ -94,7 +120,8 @@ struct PatchReport {
     const PatchOptions& options);
 
 // Completes (journal present) or discards (no journal) an interrupted
-// in-place patch of `checkpoint_dir`. Returns what it did, empty if nothing.
+// in-place patch of `checkpoint_dir`, under the checkpoint's lock (refused
+// while another process holds it). Returns what it did, empty if nothing.
 absl::StatusOr<std::string> RecoverInterruptedPatch(
     const std::string& checkpoint_dir);
 

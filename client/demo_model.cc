@@ -80,7 +80,7 @@ absl::Status WriteDemoCheckpoint(const std::string& dir,
                  {"tie_word_embeddings", false},
                  {"torch_dtype", "bfloat16"},
                  {"transformers_version", "4.46.0"}};
-  KVCAL_RETURN_IF_ERROR(WriteFileSynced(
+  KVCAL_RETURN_IF_ERROR(WriteOutputFile(
       (fs::path(dir) / "config.json").string(), config.dump(2) + "\n"));
   std::mt19937_64 rng(o.seed);
   // Shard 1: embeddings and the first half of the layers; shard 2: the rest.
@@ -131,7 +131,7 @@ absl::Status WriteDemoCheckpoint(const std::string& dir,
   }
   Json index = {{"metadata", {{"total_size", total}}},
                 {"weight_map", weight_map}};
-  return WriteFileSynced(
+  return WriteOutputFile(
       (fs::path(dir) / "model.safetensors.index.json").string(),
       index.dump(2) + "\n");
 }

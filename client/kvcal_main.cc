@@ -23,6 +23,7 @@
 #include "client/calibration_client.h"
 #include "client/calibration_job.h"
 #include "client/checkpoint_inspect.h"
+#include "client/checkpoint_lock.h"
 #include "client/checkpoint_patcher.h"
 #include "client/connection.h"
 #include "client/kvcal_cli.h"
@@ -31,6 +32,7 @@
 #include "kernels/scale_math.h"
 #include "proto/names.h"
 #include "util/cli.h"
+#include "util/file_io.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
@@ -89,6 +91,8 @@ struct Args {
   std::string scales;
   std::string out_dir;
   std::string target = "compressed-tensors";
+  // patch, calibrate: seconds to wait for the checkpoint's lock.
+  double lock_timeout = 0;
   // kvcal inspect: the vLLM run to predict.
   std::string kv_cache_dtype = "auto";
   std::string platform = "cuda";
@@ -429,6 +433,13 @@ absl::StatusOr<CommandResult> RunFinalize(const Args& a) {
 // A patch or an inspection with its progress on stderr, like push's; a run
 // shorter than a second prints none.
 absl::StatusOr<PatchReport> PatchWithProgress(PatchOptions options) {
+  if (!options.on_lock_wait) {
+    options.on_lock_wait = [&](const std::string& holder) {
+      std::cerr << "kvcal: waiting up to "
+                << absl::FormatDuration(options.lock_timeout) << " for "
+                << options.checkpoint_dir << ", locked by " << holder << "\n";
+    };
+  }
   auto counters = std::make_shared<ProgressCounters>();
   ProgressReporter progress(
       "patch", {.unit = "", .quiet_for = absl::Seconds(1)}, counters);
@@ -474,7 +485,10 @@ absl::StatusOr<CommandResult> RunPatch(const Args& a) {
                        .out_dir = a.out_dir,
                        .target = target,
                        .on_step = {},
-                       .on_progress = {}};
+                       .on_progress = {},
+                       .lock_timeout = absl::Seconds(a.lock_timeout),
+                       .on_lock_wait = {},
+                       .lock = nullptr};
   KVCAL_ASSIGN_OR_RETURN(PatchReport report, PatchWithProgress(options));
   if (!a.json) std::cout << PatchText(report);
   return CommandResult{PatchJson(report)};
@@ -493,6 +507,21 @@ absl::StatusOr<CommandResult> RunCalibrate(Args a) {
     return absl::InvalidArgumentError(
         "--resume needs --session: the id of the run to continue");
   }
+  KVCAL_ASSIGN_OR_RETURN(PatchTarget target, ParsePatchTarget(a.target));
+  if (!a.output.empty()) KVCAL_RETURN_IF_ERROR(CheckOutputPath(a.output));
+  // One writer per checkpoint, from the first read of config.json to the
+  // patch's last rename.
+  PatchOptions patch{.checkpoint_dir = a.checkpoint,
+                     .scales_path = "",
+                     .out_dir = a.out_dir,
+                     .target = target,
+                     .on_step = {},
+                     .on_progress = {},
+                     .lock_timeout = absl::Seconds(a.lock_timeout),
+                     .on_lock_wait = {},
+                     .lock = nullptr};
+  KVCAL_ASSIGN_OR_RETURN(CheckpointLock lock, LockCheckpointForPatch(patch));
+  patch.lock = &lock;
   KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
   if (a.config.empty()) a.config = a.checkpoint + "/config.json";
   KVCAL_ASSIGN_OR_RETURN(
@@ -513,14 +542,8 @@ absl::StatusOr<CommandResult> RunCalibrate(Args a) {
                          FinalizeToFile(client, request, a.output));
   if (!a.json)
     std::cout << FinalizeTable(f.response) << "wrote " << a.output << "\n";
-  KVCAL_ASSIGN_OR_RETURN(PatchTarget target, ParsePatchTarget(a.target));
-  KVCAL_ASSIGN_OR_RETURN(PatchReport report,
-                         PatchWithProgress({.checkpoint_dir = a.checkpoint,
-                                            .scales_path = a.output,
-                                            .out_dir = a.out_dir,
-                                            .target = target,
-                                            .on_step = {},
-                                            .on_progress = {}}));
+  patch.scales_path = a.output;
+  KVCAL_ASSIGN_OR_RETURN(PatchReport report, PatchWithProgress(patch));
   if (!a.json) std::cout << PatchText(report);
   // A Quark model needs --kv-cache-dtype fp8 (the patch says so); predict
   // that run.
@@ -577,6 +600,16 @@ absl::StatusOr<CommandResult> RunReport(const Args& a) {
         "give a session (--server and --session) or a scales file "
         "(--scales)");
   }
+  KVCAL_RETURN_IF_ERROR(CheckOutputPath(a.output));
+  std::vector<std::string> inputs = a.evaluations;
+  if (!a.scales.empty()) inputs.push_back(a.scales);
+  for (const std::string& input : inputs) {
+    if (SameFile(input, a.output)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "-o ", a.output, " is the input ", input,
+          ", which the report would replace; write the report elsewhere"));
+    }
+  }
   KVCAL_ASSIGN_OR_RETURN(v1::Format format, ParseFormat(a.report_format));
   in.format = static_cast<Format>(format);
   std::vector<std::string> sources;
@@ -611,19 +644,7 @@ absl::StatusOr<CommandResult> RunReport(const Args& a) {
     in.evaluations.push_back({path, std::move(j)});
   }
   KVCAL_ASSIGN_OR_RETURN(Report report, BuildReport(in));
-  const std::string tmp = a.output + ".partial";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << report.html;
-    out.close();
-    if (!out) {
-      return absl::InternalError(absl::StrCat("cannot write ", tmp));
-    }
-  }
-  if (std::rename(tmp.c_str(), a.output.c_str()) != 0) {
-    return absl::InternalError(
-        absl::StrCat("cannot rename ", tmp, " to ", a.output));
-  }
+  KVCAL_RETURN_IF_ERROR(WriteOutputFile(a.output, report.html));
   const Json& rec = report.summary["recommendation"];
   if (!a.json) {
     std::cout << "recommendation: " << rec["observer"].get<std::string>()
@@ -654,6 +675,14 @@ CLI::Validator HistogramBins() {
 
 void AddJsonFlag(CLI::App* sub, Args& a) {
   sub->add_flag("--json", a.json, "machine-readable output on stdout");
+}
+
+void AddLockTimeout(CLI::App* sub, Args& a) {
+  sub->add_option("--lock-timeout", a.lock_timeout,
+                  "seconds to wait while another kvcal process writes the "
+                  "checkpoint (0: refuse at once, naming it; at most a week)")
+      ->check(cli::InRange(cli::RealRange{0, 604800, false, false, ""}))
+      ->capture_default_str();
 }
 
 CLI::App* AddCreateCommand(CLI::App& app, Args& a) {
@@ -750,6 +779,7 @@ CLI::App* AddPatchCommand(CLI::App& app, Args& a) {
   sub->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
       ->check(Named(ParsePatchTarget, kPatchTargets))
       ->capture_default_str();
+  AddLockTimeout(sub, a);
   AddJsonFlag(sub, a);
   return sub;
 }
@@ -805,6 +835,7 @@ CLI::App* AddCalibrateCommand(CLI::App& app, Args& a) {
   sub->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
       ->check(Named(ParsePatchTarget, kPatchTargets))
       ->capture_default_str();
+  AddLockTimeout(sub, a);
   sub->add_option("DUMP_DIR", a.dump_dir, "directory of *.safetensors dumps")
       ->required();
   AddJsonFlag(sub, a);

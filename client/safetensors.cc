@@ -321,23 +321,20 @@ absl::Status WriteSafetensors(
   for (int i = 0; i < 8; ++i) {
     length[i] = static_cast<unsigned char>(uint64_t{json.size()} >> (8 * i));
   }
-  FileDescriptor fd(
-      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) return ErrnoError("cannot create", path);
-  KVCAL_RETURN_IF_ERROR(WriteAll(fd.get(), length, 8, path));
-  KVCAL_RETURN_IF_ERROR(WriteAll(fd.get(), json.data(), json.size(), path));
-  for (const TensorToWrite& t : tensors) {
-    // Copy in bounded blocks: a source mapped from disk is paged in by the
-    // kernel a block at a time; no heap buffer holds a whole tensor.
-    for (size_t done = 0; done < t.data.size(); done += block_bytes) {
-      const size_t n = std::min(block_bytes, t.data.size() - done);
-      KVCAL_RETURN_IF_ERROR(WriteAll(fd.get(), t.data.data() + done, n, path));
-      if (on_block) on_block(n);
+  return WriteOutputFile(path, [&](int fd, const std::string& temp) {
+    KVCAL_RETURN_IF_ERROR(WriteAll(fd, length, 8, temp));
+    KVCAL_RETURN_IF_ERROR(WriteAll(fd, json.data(), json.size(), temp));
+    for (const TensorToWrite& t : tensors) {
+      // Copy in bounded blocks: a source mapped from disk is paged in by the
+      // kernel a block at a time; no heap buffer holds a whole tensor.
+      for (size_t done = 0; done < t.data.size(); done += block_bytes) {
+        const size_t n = std::min(block_bytes, t.data.size() - done);
+        KVCAL_RETURN_IF_ERROR(WriteAll(fd, t.data.data() + done, n, temp));
+        if (on_block) on_block(n);
+      }
     }
-  }
-  if (::fsync(fd.get()) != 0) return ErrnoError("cannot fsync", path);
-  if (!fd.Close()) return ErrnoError("cannot close", path);
-  return absl::OkStatus();
+    return absl::OkStatus();
+  });
 }
 
 std::optional<std::vector<float>> SafetensorsFile::ReadFloats(

@@ -29,7 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "util/file_io.h"  // ReadSmallFile, WriteFileSynced, SyncDirectory
+#include "util/file_io.h"  // ReadSmallFile, WriteOutputFile, SyncDirectory
 #include "util/strings.h"  // ShapeString
 
 namespace kvcal {
@@ -105,9 +105,11 @@ struct TensorToWrite {
   absl::Span<const std::byte> data;
 };
 
-// Writes `tensors` (in the given order) to `path`, creating or truncating it:
-// header padded to 8 bytes, data copied in blocks of at most `block_bytes`,
-// then fsync. Checks every tensor's size against its dtype and shape.
+// Writes `tensors` (in the given order) to `path` with WriteOutputFile (a
+// temporary file beside it, fsync, rename; a symbolic link is written
+// through, a non-regular file refused): header padded to 8 bytes, data
+// copied in blocks of at most `block_bytes`. Checks every tensor's size
+// against its dtype and shape before anything is created.
 // `on_block`, when set, is called with each block's size once written.
 [[nodiscard]] absl::Status WriteSafetensors(
     const std::string& path, absl::Span<const TensorToWrite> tensors,

@@ -90,8 +90,7 @@ absl::Status StateStore::Save(const std::string& tenant,
                               const std::string& session_id,
                               const kvcal::v1::SessionState& state) {
   const std::string path = PathFor(tenant, session_id);
-  return ReplaceFileDurably(path, Encode(state),
-                            absl::StatusCode::kUnavailable);
+  return WriteOutputFile(path, Encode(state), absl::StatusCode::kUnavailable);
 }
 
 absl::Status StateStore::Remove(const std::string& tenant,
@@ -109,8 +108,10 @@ std::vector<StoredState> StateStore::LoadAll(
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(dir_, error)) {
     const std::string path = entry.path().string();
-    if (absl::EndsWith(path, ".kvstate.tmp")) {
-      std::filesystem::remove(entry.path(), error);  // an interrupted write
+    if (absl::EndsWith(path, kOutputTempSuffix) ||
+        absl::EndsWith(path, ".kvstate.tmp")) {
+      // An interrupted write (".kvstate.tmp": of an older worker).
+      std::filesystem::remove(entry.path(), error);
       continue;
     }
     if (!absl::EndsWith(path, kSuffix)) continue;

@@ -12,7 +12,6 @@
 
 #include <csignal>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <optional>
@@ -25,21 +24,9 @@
 #include "service/shard_map.h"
 #include "service/worker.h"
 #include "util/cli.h"
+#include "util/file_io.h"
 
 namespace {
-
-// Writes the bound port to `path` atomically (temp file + rename), so that a
-// reader never sees a partial number.
-bool WritePortFile(const std::string& path, int port) {
-  const std::string temp = path + ".tmp";
-  {
-    std::ofstream out(temp, std::ios::trunc);
-    if (!out) return false;
-    out << port << "\n";
-    if (!out.flush()) return false;
-  }
-  return std::rename(temp.c_str(), path.c_str()) == 0;
-}
 
 // The command line: the worker's options and what main itself uses.
 struct Flags {
@@ -206,14 +193,26 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
 
+  if (!port_file.empty()) {
+    // A port file that cannot be written is refused before serving.
+    if (absl::Status s = kvcal::CheckOutputPath(port_file); !s.ok()) {
+      std::cerr << "kvcal-worker: --port-file: " << s.message() << "\n";
+      return kvcal::cli::kExitFailure;
+    }
+  }
   auto worker = kvcal::service::Worker::Start(options);
   if (!worker.ok()) {
     std::cerr << "kvcal-worker: " << worker.status().message() << "\n";
     return kvcal::cli::kExitFailure;
   }
-  if (!port_file.empty() && !WritePortFile(port_file, (*worker)->port())) {
-    std::cerr << "kvcal-worker: cannot write --port-file " << port_file << "\n";
-    return 1;
+  if (!port_file.empty()) {
+    // A reader never sees a partial number (util/file_io.h).
+    const absl::Status written = kvcal::WriteOutputFile(
+        port_file, absl::StrCat((*worker)->port(), "\n"));
+    if (!written.ok()) {
+      std::cerr << "kvcal-worker: --port-file: " << written.message() << "\n";
+      return kvcal::cli::kExitFailure;
+    }
   }
   int signal = 0;
   sigwait(&signals, &signal);

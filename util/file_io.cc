@@ -1,12 +1,13 @@
 #include "util/file_io.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "util/status_macros.h"
@@ -62,19 +63,6 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
   return contents;
 }
 
-absl::Status WriteFileSynced(const std::string& path,
-                             absl::string_view contents,
-                             absl::StatusCode code) {
-  FileDescriptor fd(
-      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) return ErrnoError("cannot create", path, code);
-  KVCAL_RETURN_IF_ERROR(
-      WriteAll(fd.get(), contents.data(), contents.size(), path, code));
-  if (::fsync(fd.get()) != 0) return ErrnoError("cannot fsync", path, code);
-  if (!fd.Close()) return ErrnoError("cannot close", path, code);
-  return absl::OkStatus();
-}
-
 absl::Status SyncDirectory(const std::string& path, absl::StatusCode code) {
   FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) return ErrnoError("cannot open directory", path, code);
@@ -84,20 +72,185 @@ absl::Status SyncDirectory(const std::string& path, absl::StatusCode code) {
   return absl::OkStatus();
 }
 
-absl::Status ReplaceFileDurably(const std::string& path,
-                                absl::string_view contents,
-                                absl::StatusCode code) {
-  const std::string temp = path + ".tmp";
-  absl::Status status = WriteFileSynced(temp, contents, code);
-  if (status.ok() && ::rename(temp.c_str(), path.c_str()) != 0) {
-    status = ErrnoError("cannot rename onto", path, code);
+namespace {
+
+// The directory part of a path whose last component is a file name.
+std::string DirName(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+std::string BaseName(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+const char* FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+std::atomic<uint64_t> temp_files_created{0};
+
+}  // namespace
+
+absl::StatusOr<std::string> ResolveOutputPath(const std::string& path) {
+  if (path.empty())
+    return absl::InvalidArgumentError("the output path is empty");
+  std::string current = path;
+  // Linux's own limit on the links one lookup follows.
+  for (int hops = 0; hops <= 40; ++hops) {
+    if (current.back() == '/') {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "output path ", current,
+          current == path ? ""
+                          : absl::StrCat(" (where the link ", path, " points)"),
+          " ends in '/': give a file name"));
+    }
+    struct stat st;
+    if (::lstat(current.c_str(), &st) != 0) {
+      if (errno == ENOENT) return current;  // created by the write
+      return ErrnoError("cannot examine", current,
+                        absl::StatusCode::kFailedPrecondition);
+    }
+    if (!S_ISLNK(st.st_mode)) return current;
+    std::string target(4096, '\0');
+    const ssize_t n = ::readlink(current.c_str(), target.data(), target.size());
+    if (n < 0) {
+      return ErrnoError("cannot read the symbolic link", current,
+                        absl::StatusCode::kFailedPrecondition);
+    }
+    target.resize(static_cast<size_t>(n));
+    if (target.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the symbolic link ", current, " is empty"));
+    }
+    current = target[0] == '/' ? target : DirName(current) + "/" + target;
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "output path ", path, ": too many levels of symbolic links"));
+}
+
+namespace {
+
+// The target of writing `path` (links followed), checked: absent or a
+// regular file; `exists` and `st` describe it.
+absl::StatusOr<std::string> CheckedTarget(const std::string& path, bool& exists,
+                                          struct stat& st, std::string& via) {
+  KVCAL_ASSIGN_OR_RETURN(std::string target, ResolveOutputPath(path));
+  via = target == path ? ""
+                       : absl::StrCat(" (the file the symbolic link ", path,
+                                      " points to)");
+  exists = ::stat(target.c_str(), &st) == 0;
+  if (!exists && errno != ENOENT) {
+    const int err = errno;  // ENOTDIR (a parent is a file), EACCES, ...
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot write ", target, via, ": ", std::strerror(err)));
+  }
+  if (exists && !S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "refusing to write ", target, via, ": it is ", FileKind(st.st_mode),
+        ", and kvcal replaces only regular files; give the path of a file"));
+  }
+  return target;
+}
+
+}  // namespace
+
+absl::Status CheckOutputPath(const std::string& path) {
+  bool exists = false;
+  struct stat st;
+  std::string via;
+  KVCAL_ASSIGN_OR_RETURN(const std::string target,
+                         CheckedTarget(path, exists, st, via));
+  if (exists) return absl::OkStatus();
+  const std::string dir = DirName(target);
+  struct stat dir_stat;
+  if (::stat(dir.c_str(), &dir_stat) != 0 || !S_ISDIR(dir_stat.st_mode)) {
+    return absl::NotFoundError(absl::StrCat(
+        "cannot write ", target, via, ": directory ", dir, " does not exist"));
+  }
+  return absl::OkStatus();
+}
+
+bool SameFile(const std::string& a, const std::string& b) {
+  struct stat sa, sb;
+  return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 &&
+         sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+absl::Status WriteOutputFile(const std::string& path,
+                             const OutputFileWriter& write,
+                             absl::StatusCode code) {
+  bool exists = false;
+  struct stat st;
+  std::string via;
+  KVCAL_ASSIGN_OR_RETURN(const std::string target,
+                         CheckedTarget(path, exists, st, via));
+  const std::string dir = DirName(target);
+  // Beside the target (rename stays on one file system), unique per process
+  // and call, short enough for NAME_MAX.
+  const std::string temp =
+      absl::StrCat(dir, "/", BaseName(target).substr(0, 200), ".", ::getpid(),
+                   "-", temp_files_created.fetch_add(1), kOutputTempSuffix);
+  FileDescriptor fd(::open(temp.c_str(),
+                           O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
+                           0644));
+  if (fd.get() < 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      return absl::NotFoundError(absl::StrCat("cannot write ", target, via,
+                                              ": directory ", dir,
+                                              " does not exist"));
+    }
+    return absl::Status(
+        code, absl::StrCat("cannot write ", target, via,
+                           ": cannot create a temporary file in ", dir, ": ",
+                           std::strerror(err)));
+  }
+  if (exists) {
+    // Keep what the user set on the file being replaced (best effort: only
+    // root may give a file away).
+    (void)::fchmod(fd.get(), st.st_mode & 07777);
+    if (::geteuid() == 0) (void)::fchown(fd.get(), st.st_uid, st.st_gid);
+  }
+  absl::Status status = write(fd.get(), temp);
+  if (status.ok() && ::fsync(fd.get()) != 0) {
+    status = ErrnoError("cannot fsync", temp, code);
+  }
+  if (status.ok() && !fd.Close()) {
+    status = ErrnoError("cannot close", temp, code);
+  }
+  if (status.ok() && ::rename(temp.c_str(), target.c_str()) != 0) {
+    status =
+        ErrnoError(absl::StrCat("cannot rename ", temp, " onto"), target, code);
   }
   if (!status.ok()) {
     ::unlink(temp.c_str());
-    return status;
+    return absl::Status(
+        status.code(),
+        absl::StrCat(status.message(), " (", target,
+                     exists ? " is unchanged" : " was not created",
+                     "; the temporary file was removed)"));
   }
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  return SyncDirectory(dir.empty() ? "." : dir, code);
+  return SyncDirectory(dir, code);
+}
+
+absl::Status WriteOutputFile(const std::string& path,
+                             absl::string_view contents,
+                             absl::StatusCode code) {
+  return WriteOutputFile(
+      path,
+      [&](int fd, const std::string& temp) {
+        return WriteAll(fd, contents.data(), contents.size(), temp, code);
+      },
+      code);
 }
 
 }  // namespace kvcal

@@ -1,12 +1,14 @@
 // Files written so that a crash leaves either the old contents or the new,
-// and errors that name the file: the worker's state store and the client's
-// checkpoint writer both use these.
+// and errors that name the file. WriteOutputFile is the one way kvcal writes
+// a file: the worker's state store and port file, the scales file, the
+// report, the patcher's staged files, the demo's checkpoint all go through it.
 //
-//   KVCAL_RETURN_IF_ERROR(ReplaceFileDurably(path, bytes));  // all or nothing
+//   KVCAL_RETURN_IF_ERROR(WriteOutputFile(path, bytes));  // all or nothing
 #ifndef KVCAL_UTIL_FILE_IO_H_
 #define KVCAL_UTIL_FILE_IO_H_
 
 #include <cstddef>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -29,6 +31,12 @@ class FileDescriptor {
   int get() const { return fd_; }
   // Closes now and reports a failure (close can report write-back errors).
   bool Close();
+  // Gives up ownership: the caller closes the returned descriptor.
+  int Release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
 
  private:
   int fd_;
@@ -39,18 +47,49 @@ absl::Status WriteAll(int fd, const void* data, size_t size,
                       absl::string_view path,
                       absl::StatusCode code = absl::StatusCode::kInternal);
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
-// Creates or truncates `path`, writes `contents` and fsyncs it.
-[[nodiscard]] absl::Status WriteFileSynced(
-    const std::string& path, absl::string_view contents,
-    absl::StatusCode code = absl::StatusCode::kInternal);
 // fsyncs a directory, so renames and creations in it survive a crash.
 [[nodiscard]] absl::Status SyncDirectory(
     const std::string& path,
     absl::StatusCode code = absl::StatusCode::kInternal);
-// Replaces `path` with `contents` atomically and durably: writes
-// `path`.tmp, fsyncs it, renames it over `path` and fsyncs the directory.
-// On failure the temporary file is removed and `path` is unchanged.
-[[nodiscard]] absl::Status ReplaceFileDurably(
+
+// Temporary files WriteOutputFile creates are named
+// "<target name>.<pid>-<n>.kvcal-tmp", beside the target; one that a killed
+// process left behind may be removed by anyone who finds it.
+inline constexpr char kOutputTempSuffix[] = ".kvcal-tmp";
+
+// The file that writing `path` replaces: `path` with every symbolic link
+// followed (a dangling link: the file it would create). InvalidArgument for
+// an empty path or one ending in '/'; FailedPrecondition for a link loop.
+absl::StatusOr<std::string> ResolveOutputPath(const std::string& path);
+
+// What WriteOutputFile checks before it creates anything, for commands that
+// check their output path before long work: OK when `path` (links
+// followed) does not exist in an existing directory, or is a regular file.
+[[nodiscard]] absl::Status CheckOutputPath(const std::string& path);
+
+// True when both paths exist and name the same file (links followed).
+bool SameFile(const std::string& a, const std::string& b);
+
+// Writes the bytes of an output file to `fd` (a new temporary file; its
+// name, for messages, is `temp_path`).
+using OutputFileWriter =
+    std::function<absl::Status(int fd, const std::string& temp_path)>;
+
+// The one way to write an output file. `write` fills a temporary file
+// created beside the target, which is fsynced, renamed over the target, and
+// the directory fsynced: a reader sees the old file or the new one, never a
+// part, and a crash leaves one of the two. A symbolic link is written
+// through: the link stays, the file it points to is replaced (its mode is
+// kept). A target that exists and is not a regular file (a directory, a
+// device, a FIFO, a socket) is refused with FailedPrecondition before
+// anything is created, and a missing directory is NotFound. Any failure
+// (`write`'s own, EFBIG, ENOSPC, fsync, rename) removes the temporary file
+// and leaves the target as it was. Errors use `code` unless they say
+// otherwise above.
+[[nodiscard]] absl::Status WriteOutputFile(
+    const std::string& path, const OutputFileWriter& write,
+    absl::StatusCode code = absl::StatusCode::kInternal);
+[[nodiscard]] absl::Status WriteOutputFile(
     const std::string& path, absl::string_view contents,
     absl::StatusCode code = absl::StatusCode::kInternal);
 

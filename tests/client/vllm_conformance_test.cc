@@ -198,7 +198,10 @@ class TargetConformanceTest : public ::testing::TestWithParam<Case> {
                             .out_dir = dir_ / "out",
                             .target = target_,
                             .on_step = {},
-                            .on_progress = {}});
+                            .on_progress = {},
+                            .lock_timeout = {},
+                            .on_lock_wait = {},
+                            .lock = nullptr});
   }
   // What vLLM can load at all (the patcher refuses everything else).
   bool Loadable() const {
@@ -414,7 +417,10 @@ TEST(QPerKvGroupTest, IsRefusedBecauseVllmReducesQItself) {
                                .out_dir = "",
                                .target = PatchTarget::kCompressedTensors,
                                .on_step = {},
-                               .on_progress = {}})
+                               .on_progress = {},
+                               .lock_timeout = {},
+                               .on_lock_wait = {},
+                               .lock = nullptr})
                   .status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("--q-per-kv-group")));
@@ -439,7 +445,10 @@ TEST(ModelOptNestedTest, SetsQuantizationKvCacheQuantAlgo) {
                                  .out_dir = "",
                                  .target = PatchTarget::kModelOpt,
                                  .on_step = {},
-                                 .on_progress = {}});
+                                 .on_progress = {},
+                                 .lock_timeout = {},
+                                 .on_lock_wait = {},
+                                 .lock = nullptr});
   ASSERT_TRUE(report.ok()) << report.status();
   const Json q =
       Json::parse(ReadFile(dir / "model/config.json"))["quantization_config"];
@@ -469,7 +478,10 @@ TEST(QuarkWithoutExportTest, IsRefusedAndNothingChanges) {
                        .out_dir = "",
                        .target = PatchTarget::kQuark,
                        .on_step = {},
-                       .on_progress = {}})
+                       .on_progress = {},
+                       .lock_timeout = {},
+                       .on_lock_wait = {},
+                       .lock = nullptr})
           .status(),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("'export'")));
   EXPECT_TRUE(Snapshot(dir / "model") == before);

@@ -38,7 +38,7 @@ constexpr char kShard2[] = "model-00002-of-00002.safetensors";
 constexpr absl::string_view kSeparator = "\n#shard\n";
 
 void WriteFile(const fs::path& path, absl::string_view bytes) {
-  FUZZ_CHECK(WriteFileSynced(path.string(), bytes).ok());
+  FUZZ_CHECK(WriteOutputFile(path.string(), bytes).ok());
 }
 
 // A shard with the scales of `layer` and one weight.
