@@ -42,6 +42,8 @@ from typing import Dict, Iterable, List, Optional
 import numpy as np
 import torch
 
+from ._output import write_output_file
+
 QMAX = 448.0
 MIN_NORMAL = 2.0 ** -6  # e4m3fn's smallest normal
 SATURATED = QMAX * (1 + 2.0 ** -20)  # x / absmax * 448 may round a ulp above 448
@@ -164,8 +166,10 @@ class Evaluation:
         }
 
     def to_json(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f)
+        """Writes what ``kvcal report --eval`` reads (kvcal/_output.py: a
+        temporary file beside ``path``, then rename; a link written through,
+        a directory, device or FIFO refused)."""
+        write_output_file(path, json.dumps(self.to_dict()).encode())
 
 
 class _Quantizer:

@@ -14,12 +14,13 @@ whatever else the producer recorded (client/scales_file.h).
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 from typing import Any, Dict, Mapping, Optional
 
 import numpy as np
+
+from ._output import write_output_file
 
 _NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_scale")
 
@@ -121,15 +122,15 @@ def write_safetensors(path: str, tensors: Mapping[str, np.ndarray],
         blobs.append(data)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+
+    def write(f):
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for blob in blobs:
             f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    # A temporary file beside it, then rename (kvcal/_output.py).
+    write_output_file(path, write)
 
 
 def read_safetensors(path: str):
