@@ -162,8 +162,12 @@ absl::StatusOr<CheckpointLock> CheckpointLock::Acquire(
   struct stat dir_stat;
   if (::stat(checkpoint_dir.c_str(), &dir_stat) != 0 ||
       !S_ISDIR(dir_stat.st_mode)) {
+    const bool exists = ::access(checkpoint_dir.c_str(), F_OK) == 0;
     return absl::NotFoundError(
-        absl::StrCat("checkpoint directory ", checkpoint_dir, " not found"));
+        exists
+            ? absl::StrCat("checkpoint ", checkpoint_dir, " is not a directory")
+            : absl::StrCat("checkpoint directory ", checkpoint_dir,
+                           " not found"));
   }
   const absl::Time start = absl::Now();
   const absl::Time deadline =

@@ -1185,7 +1185,10 @@ absl::StatusOr<PatchReport> PatchCheckpoint(const PatchOptions& options) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
     return absl::NotFoundError(
-        absl::StrCat("checkpoint directory ", dir.string(), " not found"));
+        fs::exists(dir, ec)
+            ? absl::StrCat("checkpoint ", dir.string(), " is not a directory")
+            : absl::StrCat("checkpoint directory ", dir.string(),
+                           " not found"));
   }
   // From before the first read of config.json to the last rename.
   std::optional<CheckpointLock> own_lock;

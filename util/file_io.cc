@@ -131,7 +131,8 @@ absl::StatusOr<std::string> ResolveOutputPath(const std::string& path) {
       return absl::FailedPreconditionError(
           absl::StrCat("the symbolic link ", current, " is empty"));
     }
-    current = target[0] == '/' ? target : DirName(current) + "/" + target;
+    const std::string dir = DirName(current);
+    current = target[0] == '/' || dir == "." ? target : dir + "/" + target;
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "output path ", path, ": too many levels of symbolic links"));
