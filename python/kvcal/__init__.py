@@ -13,7 +13,8 @@
     #   kvcal.vllm.update_attention_scales(model, scales)
 
 kvcal.torch and kvcal.vllm import torch; the rest needs only grpcio,
-protobuf and numpy.
+protobuf and numpy. kvcal.calibrate_model(MODEL_DIR, DATASET, ...) is the
+kvcal-calibrate command as a function (docs/calibrate.md).
 """
 import importlib
 
@@ -21,7 +22,9 @@ import importlib
 # `kvcal-worker` (kvcal._binaries) start without loading grpc and numpy.
 _LAZY = {"Client": "kvcal.client", "Geometry": "kvcal.client", "KvcalError": "kvcal.client",
          "DEFAULT_HISTOGRAMS": "kvcal.client", "Producer": "kvcal.producer",
-         "ProducerError": "kvcal.producer", "Scales": "kvcal.scales"}
+         "ProducerError": "kvcal.producer", "Scales": "kvcal.scales",
+         # kvcal-calibrate as a function (torch is imported when it runs)
+         "calibrate_model": "kvcal.calibrate", "CalibrationResult": "kvcal.calibrate"}
 
 
 def _version():

@@ -201,35 +201,36 @@ class _Quantizer:
         self.sub = {r: z(self.heads if r == "q" else self.kv_heads) for r in "qkv"}
         self.amax = {r: z(self.heads if r == "q" else self.kv_heads) for r in "qkv"}
 
-    def _keep(self, batch, tokens):
+    def _keep(self, batch, tokens, device=None):
         if self.mask2d is None:
-            return torch.ones(batch, tokens, dtype=torch.bool)
-        return self.mask2d[:, -tokens:] != 0
+            return torch.ones(batch, tokens, dtype=torch.bool, device=device)
+        return (self.mask2d[:, -tokens:] != 0).to(device)
 
     def attention(self, module, q, k, v, mask, scaling=None, dropout=0.0, **kwargs):
         layer = module.layer_idx
         scaling = module.scaling if scaling is None else scaling
-        keep = self._keep(q.shape[0], q.shape[2])  # [batch, tokens]
+        keep = self._keep(q.shape[0], q.shape[2], q.device)  # [batch, tokens]
         quantized = {}
         for role, x in (("q", q), ("k", k), ("v", v)):
             s = self.scales[(layer, role)]
             if s is None or (role == "q" and self.kv_only):
                 quantized[role] = x
                 continue
+            s = s.to(x.device)  # the model may run on a GPU
             t = (x.float() / s).abs()[:, :, -q.shape[2]:].transpose(1, 2)[keep]  # [n, heads, dim]
             self.count[role][layer] += t.shape[0] * t.shape[2]
-            self.sat[role][layer] += (t > SATURATED).sum(dim=(0, 2)).numpy()
-            self.sub[role][layer] += ((t > 0) & (t < MIN_NORMAL)).sum(dim=(0, 2)).numpy()
+            self.sat[role][layer] += (t > SATURATED).sum(dim=(0, 2)).cpu().numpy()
+            self.sub[role][layer] += ((t > 0) & (t < MIN_NORMAL)).sum(dim=(0, 2)).cpu().numpy()
             self.amax[role][layer] = np.maximum(
                 self.amax[role][layer], x.float().abs()[:, :, -q.shape[2]:].transpose(1, 2)[keep]
-                .amax(dim=(0, 2)).numpy() if t.shape[0] else 0.0)
+                .amax(dim=(0, 2)).cpu().numpy() if t.shape[0] else 0.0)
             quantized[role] = fake_quantize(x, s)
         ref = _attention(module, q, k, v, mask, scaling, False)
         out = _attention(module, quantized["q"], quantized["k"], quantized["v"], mask, scaling,
                          self.quantize_probs)
         d = (out - ref)[keep]  # [n, heads, dim]
-        self.err[layer] += d.pow(2).sum(dim=(0, 2)).double().numpy()
-        self.ref[layer] += ref[keep].pow(2).sum(dim=(0, 2)).double().numpy()
+        self.err[layer] += d.pow(2).sum(dim=(0, 2)).double().cpu().numpy()
+        self.ref[layer] += ref[keep].pow(2).sum(dim=(0, 2)).double().cpu().numpy()
         return out.to(q.dtype), None
 
     def applied_scales(self):

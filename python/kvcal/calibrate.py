@@ -1,0 +1,200 @@
+"""kvcal-calibrate: from a model directory and a prompt file to a checkpoint
+that vLLM 0.34 loads with calibrated FP8 KV-cache (and query) scales.
+
+    kvcal-calibrate MODEL_DIR --dataset prompts.jsonl [--out MODEL-fp8kv]
+    python -m kvcal.calibrate MODEL_DIR --dataset prompts.txt
+    result = kvcal.calibrate_model("MODEL_DIR", "prompts.jsonl", samples=256)
+
+What it does (docs/calibrate.md is the user's guide):
+1. loads the model and tokenizer with transformers (a local directory, a
+   GGUF file with --gguf-file, or a hub name where the hub is reachable);
+2. reads the dataset (calibrate_data.py), shuffles it with --seed, packs it
+   into --samples windows of --seq-len tokens and holds back
+   --holdout-samples of them (default 10%, at least 2);
+3. runs the calibration samples through the model under
+   kvcal.torch.capture, streaming post-RoPE Q, K and V to a kvcal worker:
+   an embedded one (calibrate_worker.py) or --server workers;
+4. finalizes every candidate setting and scores each on the held-out
+   samples by the model's own loss with Q/K/V fake-quantized
+   (calibrate_select.py), against scale 1.0 and llm-compressor's default;
+5. patches the checkpoint (`kvcal patch`), checks it (`kvcal inspect`),
+   writes the HTML report (`kvcal report`) and prints the `vllm serve` line
+   (calibrate_output.py).
+
+Resume: the embedded worker keeps its state in a durable state dir under
+the work directory (MODEL/.kvcal-calibrate/ in place, OUT.kvcal-calibrate/
+with --out), beside a journal of the batches sent; `--resume` after an
+interrupted run (Ctrl-C, a crash, SIGKILL) restarts the worker from that
+state and skips the batches the worker already has. The work directory is
+removed after a successful run.
+
+Exit codes: 0 done; 1 a failure (one line on stderr naming what to change);
+2 a usage error; 130 interrupted (Ctrl-C / SIGTERM).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Optional, Sequence
+
+from kvcal import calibrate_data as data
+from kvcal import calibrate_output as output
+from kvcal import calibrate_select as select
+from kvcal.calibrate_run import (PROG, TARGETS, CalibrateError,  # noqa: F401
+                                 CalibrationResult, Interrupted, UsageError,
+                                 _inspect_summary, calibrate_model)
+from kvcal.calibrate_worker import WorkerError
+
+__all__ = ["calibrate_model", "CalibrationResult", "CalibrateError", "UsageError", "main"]
+
+
+# -- command line ----------------------------------------------------------------
+
+def summary(result: CalibrationResult) -> str:
+    c = result.chosen
+    ones = result.scale_one
+    lines = [f"candidates, scored on {result.samples['holdout']} held-out samples "
+             f"({result.holdout_tokens} tokens; unquantized loss {result.reference_nll:.4f} "
+             f"nats/token); Δ nats/token against the unquantized model ± standard error, mean "
+             f"attention error:"]
+    for cand in result.candidates:
+        mark = "*" if cand.chosen else " "
+        if cand.same_as is not None:
+            lines.append(f" {mark} {cand.label:<42} same as {cand.same_as.label}")
+            continue
+        lines.append(f" {mark} {cand.label:<42} {cand.delta:+.4f} ± {cand.se:.4f}   "
+                     f"{100 * cand.attention_error:5.2f}%")
+    lines.append(f"   ({select.LLMC_DEFAULT}: {select.LLMC_RECIPE})")
+    lines.append(f"chosen: {c.label}, because {result.why}")
+    if c.observer is None:
+        lines.append("  the checkpoint gets explicit scales of 1.0: what vLLM uses without scales, "
+                     "written so that vLLM switches the KV cache to FP8 by itself and inspect "
+                     "can check it")
+    else:
+        lines.append(f"  against scale 1.0 ({ones.label}): {c.delta - ones.delta:+.4f} nats/token; "
+                     f"attention error {100 * c.attention_error:.2f}% (scale 1.0: "
+                     f"{100 * ones.attention_error:.2f}%)")
+    lines.append(f"granularity: {result.platform}")
+    lines.append(result.patch.describe())
+    v = _inspect_summary(result.inspect)
+    lines.append(f"kvcal inspect: vLLM 0.34 starts: {v.get('starts')}, every scale used as "
+                 f"written: {v.get('clean')}, KV cache {v.get('kv_cache_dtype')}")
+    if result.report:
+        lines.append(f"report: {result.report}")
+    lines.append("serve it with:")
+    lines.append(f"  {result.serve['command']}")
+    lines.append(f"  attention backends: {result.serve['backends']}")
+    for note in result.serve["notes"]:
+        lines.append(f"  note: {note}")
+    t = result.timings
+    lines.append("time: " + ", ".join(f"{k.replace('_', '+')} {v:.1f} s" for k, v in t.items()))
+    for w in result.warnings:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        sys.stderr.write(f"{PROG}: {message} (see {PROG} --help)\n")
+        sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=(
+        "Calibrate the FP8 KV-cache (and query) scales of a Hugging Face model on a prompt "
+        "file, choose the setting on held-out text, and patch the checkpoint so vLLM loads "
+        "them. docs/calibrate.md is the guide."))
+    p.add_argument("model", metavar="MODEL_DIR", help="model directory (or a hub name)")
+    p.add_argument("--dataset", required=True, metavar="FILE",
+                   help=".txt (blank-line separated documents), .jsonl (text or messages), "
+                        ".parquet/.arrow (with the datasets package)")
+    p.add_argument("--samples", type=int, default=512, help="samples in all (default 512)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample (default 2048)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="samples per forward (default 1, as llm-compressor)")
+    p.add_argument("--holdout-samples", type=int, default=None,
+                   help="samples held out to choose the setting on (default 10%%, at least 2)")
+    p.add_argument("--packing", choices=("pack", "truncate"), default="pack",
+                   help="pack documents into full windows (default) or one sample per document")
+    p.add_argument("--server", action="append", metavar="ADDR",
+                   help="remote kvcal worker(s) (host:port, a,b, dns:///..., file:...); "
+                        "default: an embedded local worker")
+    p.add_argument("--auth-token-file", help="bearer token for --server workers")
+    p.add_argument("--out", metavar="DIR", help="write the patched copy here (default: in place)")
+    p.add_argument("--observer", default="auto",
+                   help="auto (every observer) or a comma list of static_minmax, minmax, "
+                        "memoryless_minmax, mse, percentile")
+    p.add_argument("--granularity", default="auto", choices=("auto", "tensor", "head"))
+    p.add_argument("--target", default="compressed-tensors", choices=TARGETS)
+    p.add_argument("--kv-only", action="store_true",
+                   help="score K and V only (your vLLM backend keeps the query in 16 bits)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    p.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
+    p.add_argument("--session", help="session id (default: derived from the data)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run")
+    p.add_argument("--keep-session", action="store_true",
+                   help="leave the session on the worker at the end")
+    p.add_argument("--report", metavar="FILE.html",
+                   help="HTML report (default: kvcal-report.html in the patched checkpoint)")
+    p.add_argument("--scales-dir", metavar="DIR",
+                   help="also write every candidate's scales file (kvcal patch's format) here")
+    p.add_argument("--gguf-file", metavar="F", help="load MODEL_DIR/F (a GGUF file); needs --out")
+    p.add_argument("--lock-timeout", type=float, default=None, metavar="SECONDS",
+                   help="passed to kvcal patch: how long to wait for the checkpoint lock")
+    p.add_argument("--json", action="store_true", help="no progress; print one JSON object")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+
+    def on_term(signum, frame):
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        result = calibrate_model(
+            args.model, args.dataset, samples=args.samples, seq_len=args.seq_len,
+            batch_size=args.batch_size, holdout_samples=args.holdout_samples,
+            server=args.server, out=args.out, observer=args.observer,
+            granularity=args.granularity, target=args.target, kv_only=args.kv_only,
+            device=args.device, dtype=args.dtype, seed=args.seed, session=args.session,
+            resume=args.resume, report=args.report, gguf_file=args.gguf_file,
+            lock_timeout=args.lock_timeout, packing=args.packing,
+            auth_token_file=args.auth_token_file, keep_session=args.keep_session,
+            scales_dir=args.scales_dir, quiet=args.json)
+    except UsageError as e:
+        return _fail(args, str(e), 2)
+    except (CalibrateError, data.DataError, WorkerError, output.OutputError) as e:
+        return _fail(args, str(e), 1)
+    except Interrupted as e:
+        return _fail(args, str(e) or "interrupted", 130)
+    except KeyboardInterrupt:
+        return _fail(args, "interrupted before anything was written", 130)
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback (KVCAL_DEBUG=1: both)
+        if os.environ.get("KVCAL_DEBUG") == "1":
+            raise
+        return _fail(args, f"{type(e).__name__}: {e} (unexpected; KVCAL_DEBUG=1 shows where)", 1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(summary(result))
+    return 0
+
+
+def _fail(args, message: str, code: int) -> int:
+    message = " ".join(str(message).split())
+    sys.stderr.write(f"{PROG}: {message}\n")
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "error": message, "exit": code}))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,896 @@
+"""kvcal-calibrate's run: calibrate_model() and its steps (the command
+line is kvcal/calibrate.py, whose docstring describes the whole)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Sequence
+
+from kvcal import calibrate_data as data
+from kvcal import calibrate_output as output
+from kvcal import calibrate_select as select
+from kvcal.calibrate_worker import EmbeddedWorker, WorkerError
+
+PROG = "kvcal-calibrate"
+PRODUCER = "kvcal-calibrate"
+TARGETS = ("compressed-tensors", "modelopt", "quark")
+
+
+class CalibrateError(RuntimeError):
+    """A failure: the message is one line that says what to change."""
+
+
+class UsageError(ValueError):
+    """Bad arguments (exit 2)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    pass
+
+
+@dataclass
+class CalibrationResult:
+    checkpoint: str                       # the patched checkpoint directory
+    report: Optional[str]
+    chosen: select.Candidate
+    candidates: List[select.Candidate]
+    serve: dict
+    inspect: dict
+    patch: output.PatchInfo
+    session: str
+    samples: dict
+    platform: str
+    timings: Dict[str, float] = field(default_factory=dict)
+    warnings: List[str] = field(default_factory=list)
+    reference_nll: float = math.nan
+    holdout_tokens: int = 0
+    why: str = ""                         # why the chosen candidate, in words
+    resumed: Optional[dict] = None        # {"skipped_batches", "batches"} after --resume
+
+    @property
+    def scale_one(self) -> select.Candidate:
+        return next(c for c in self.candidates
+                    if c.observer is None and c.kv_only == self.chosen.kv_only)
+
+    def to_dict(self) -> dict:
+        ones = self.scale_one
+        return {
+            "ok": True, "checkpoint": self.checkpoint, "report": self.report,
+            "session": self.session, "chosen": self.chosen.to_dict(),
+            "why": self.why,
+            "versus_scale_one": {"delta_nll": _num(self.chosen.delta - ones.delta),
+                                 "attention_error": _num(self.chosen.attention_error),
+                                 "attention_error_scale_one": _num(ones.attention_error)},
+            "candidates": [c.to_dict() for c in self.candidates],
+            "reference_nll": _num(self.reference_nll), "holdout_tokens": self.holdout_tokens,
+            "serve": self.serve, "platform": self.platform,
+            "patch": vars(self.patch), "inspect": _inspect_summary(self.inspect),
+            "samples": self.samples, "timings": {k: round(v, 3) for k, v in self.timings.items()},
+            "warnings": self.warnings, "resumed": self.resumed,
+        }
+
+
+def _num(x):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def _inspect_summary(report: dict) -> dict:
+    v = report.get("vllm", report) if isinstance(report, dict) else {}
+    return {k: v.get(k) for k in ("starts", "clean", "kv_cache_dtype", "per_head", "backends",
+                                  "refusals", "silent", "notes") if k in v}
+
+
+# -- progress ------------------------------------------------------------------
+
+class _Ui:
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+    def bar(self, total=None, desc="", unit="it"):
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # pragma: no cover - tqdm is in the [torch] extra
+            tqdm = None
+        if self.quiet or tqdm is None:
+            return _NoBar()
+        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
+                    leave=False, mininterval=0.5)
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+# -- model ---------------------------------------------------------------------
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _resolve_model(model: str, gguf_file: Optional[str]):
+    """(directory, is_hub, gguf path or None)."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        if gguf_file:
+            g = gguf_file if os.path.isabs(gguf_file) else os.path.join(path, gguf_file)
+            if not os.path.isfile(g):
+                raise CalibrateError(f"--gguf-file {gguf_file}: no such file in {path}")
+            return os.path.abspath(path), False, os.path.abspath(g)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            ggufs = [f for f in os.listdir(path) if f.endswith(".gguf")]
+            hint = (f"; for a GGUF model pass --gguf-file {ggufs[0]}" if ggufs else "")
+            raise CalibrateError(f"{path} has no config.json: not a Hugging Face model "
+                                 f"directory{hint}")
+        return os.path.abspath(path), False, None
+    if os.path.exists(path):
+        if path.endswith(".gguf"):
+            raise CalibrateError(f"{model} is a GGUF file: pass its directory and --gguf-file "
+                                 f"{os.path.basename(path)}")
+        raise CalibrateError(f"{model} is a file, not a model directory")
+    first = path.split("/", 1)[0]
+    if (_HUB_NAME.fullmatch(model) and not model.startswith((".", "/", "~"))
+            and not os.path.isdir(first)):
+        return model, True, None
+    raise CalibrateError(f"model directory {model} does not exist")
+
+
+def _fetch_hub(name: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, allow_patterns=[
+            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja", "*.tiktoken"])
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, no access
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CalibrateError(
+            f"{name} is not a local directory, and the Hugging Face hub did not give it "
+            f"({type(e).__name__}: {why[:160]}); download it where the hub is reachable "
+            f"(huggingface-cli download {name} --local-dir DIR) and pass DIR") from None
+
+
+def _config_dict(directory: str, gguf: Optional[str]) -> dict:
+    if gguf:
+        import transformers
+
+        try:
+            config = transformers.AutoConfig.from_pretrained(
+                directory, gguf_file=os.path.basename(gguf))
+        except Exception as e:  # noqa: BLE001
+            raise CalibrateError(f"cannot read {gguf}: {e}") from None
+        return config.to_dict()
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise CalibrateError(f"{path} is not valid JSON ({e})") from None
+
+
+def check_config(config: dict, where: str) -> dict:
+    """MLA and models without attention are refused; returns the text config."""
+    text = config
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        text = config["text_config"]
+    if text.get("kv_lora_rank"):
+        raise CalibrateError(
+            f"{where} uses multi-head latent attention (kv_lora_rank {text['kv_lora_rank']}, "
+            f"model_type {text.get('model_type', '?')}): vLLM's FP8 KV cache for MLA holds the "
+            f"compressed latent, not per-head K and V, and kvcal does not calibrate it yet")
+    heads = text.get("num_attention_heads")
+    layers = text.get("num_hidden_layers", text.get("n_layer"))
+    if not heads or not layers:
+        kind = text.get("model_type", "this model")
+        raise CalibrateError(
+            f"{where} has no attention layers to calibrate ({kind}: config has no "
+            f"{'num_attention_heads' if not heads else 'num_hidden_layers'}); kvcal calibrates "
+            f"the KV cache of attention layers")
+    from kvcal.client import attention_problem
+
+    problem = attention_problem(text)
+    if problem:
+        raise CalibrateError(f"{where} cannot be calibrated: {problem}")
+    return text
+
+
+def _load_model(directory: str, gguf: Optional[str], device: str, dtype, ui: _Ui):
+    import transformers
+
+    if ui.quiet:
+        transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    kwargs = {"gguf_file": os.path.basename(gguf)} if gguf else {}
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise CalibrateError(f"cannot load the tokenizer of {directory}: {_first_line(e)}") from None
+    return tokenizer, (lambda: _load_weights(transformers, directory, kwargs, device, dtype))
+
+
+def _load_weights(transformers, directory, kwargs, device, dtype):
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, **kwargs)
+        _without_kv_scheme(config)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, config=config, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise CalibrateError(f"cannot load the model in {directory}: {_first_line(e)}") from None
+    return model.to(device).eval()
+
+
+def _without_kv_scheme(config) -> None:
+    """A checkpoint calibrated before (kv_cache_scheme in its compressed-
+    tensors config) must load unquantized: transformers would otherwise hook
+    the FP8 KV quantization into the forwards that are being measured. A
+    config that only kvcal wrote (no config_groups) is dropped; otherwise
+    only its kv_cache_scheme."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return
+    d = q if isinstance(q, dict) else (q.to_dict() if hasattr(q, "to_dict") else None)
+    if not isinstance(d, dict) or d.get("kv_cache_scheme") is None:
+        return
+    if d.get("quant_method") == "compressed-tensors" and not d.get("config_groups"):
+        del config.quantization_config
+        return
+    d = dict(d)
+    d["kv_cache_scheme"] = None
+    config.quantization_config = d
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+# -- the run -------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    """Paths and state of one run."""
+    model: str
+    directory: str
+    gguf: Optional[str]
+    out: Optional[str]
+    work: str
+    created: List[str] = field(default_factory=list)  # directories this run made
+    uploaded: bool = False
+    stage: str = "prepare"    # prepare | upload | score | patch | done
+    resumed: Optional[dict] = None
+    worker: Optional[EmbeddedWorker] = None
+    o: SimpleNamespace = field(default_factory=SimpleNamespace)  # the run's options
+
+
+def _work_dir(directory: str, out: Optional[str]) -> str:
+    if out:
+        return os.path.abspath(out).rstrip("/") + ".kvcal-calibrate"
+    return os.path.join(directory, ".kvcal-calibrate")
+
+
+def _makedirs(path: str, created: List[str]) -> None:
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        os.mkdir(d)
+        created.append(d)
+
+
+def _remove_created(created: List[str]) -> None:
+    for d in reversed(created):
+        shutil.rmtree(d, ignore_errors=True)
+    del created[:]
+
+
+def _check_out(out: str) -> None:
+    """--out must be new (or an empty directory) and creatable; probed by
+    creating and removing a directory, nothing is left."""
+    out = os.path.abspath(out)
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise CalibrateError(f"--out {out} exists and is not a directory")
+        if os.listdir(out):
+            raise CalibrateError(f"--out {out} exists and is not empty; name a new directory")
+    created: List[str] = []
+    probe = out.rstrip("/") + f".kvcal-probe-{os.getpid()}"
+    try:
+        _makedirs(probe, created)
+    except OSError as e:
+        raise CalibrateError(f"cannot write --out {out}: {e.strerror} "
+                             f"({e.filename or os.path.dirname(out)}); choose a writable "
+                             f"directory") from None
+    finally:
+        _remove_created(created)
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _check_in_place(directory: str) -> None:
+    probe = os.path.join(directory, f".kvcal-probe-{os.getpid()}")
+    try:
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as e:
+        raise CalibrateError(f"cannot write into {directory} to patch it in place ({e.strerror}); "
+                             f"pass --out DIR for a patched copy") from None
+
+
+def _check_quant_method(config: dict, target: str, where: str) -> None:
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if target in ("modelopt", "quark") and method != target:
+        raise CalibrateError(f"--target {target} patches {target} checkpoints only; {where} has "
+                             f"quant_method {method or 'none'} (use --target compressed-tensors)")
+
+
+def _fingerprint(samples: data.Samples, config: dict, options: dict) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({k: config.get(k) for k in sorted(config) if k != "quantization_config"},
+                        sort_keys=True, default=str).encode())
+    h.update(json.dumps(options, sort_keys=True).encode())
+    for part in (samples.holdout, samples.calibration):
+        h.update(b"|")
+        for w in part:
+            h.update(len(w).to_bytes(4, "little"))
+            h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in w))
+    return h.hexdigest()
+
+
+class _Journal:
+    """RUN.json (what the run is) and batches.jsonl (after each forward:
+    the batch and the producer's last chunk sequence)."""
+
+    def __init__(self, work: str):
+        self.run_path = os.path.join(work, "run.json")
+        self.batches_path = os.path.join(work, "batches.jsonl")
+
+    def read_run(self) -> Optional[dict]:
+        try:
+            with open(self.run_path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def write_run(self, run: dict) -> None:
+        tmp = self.run_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(run, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.run_path)
+
+    def batches(self) -> Dict[int, int]:
+        out: Dict[int, int] = {}
+        try:
+            with open(self.batches_path) as f:
+                for line in f:
+                    try:
+                        entry = json.loads(line)
+                        out[int(entry["batch"])] = int(entry["sequence"])
+                    except (ValueError, KeyError, TypeError):
+                        break  # a torn last line
+        except OSError:
+            pass
+        return out
+
+    def add(self, f, batch: int, sequence: int) -> None:
+        f.write(json.dumps({"batch": batch, "sequence": sequence}) + "\n")
+        f.flush()
+
+
+def _resolve_observers(spec: str) -> List[str]:
+    from kvcal.client import _OBSERVER_ALIASES, OBSERVERS, _resolve
+
+    if spec.strip().lower() == "auto":
+        return list(select.OBSERVER_ORDER)
+    out = []
+    for part in spec.split(","):
+        if not part.strip():
+            continue
+        try:
+            name = _resolve(part.strip(), OBSERVERS, _OBSERVER_ALIASES, "observer")
+        except ValueError:
+            raise UsageError(f"--observer {part.strip()}: not one of auto, "
+                             f"{', '.join(select.OBSERVER_ORDER)}") from None
+        if name == "auto":
+            return list(select.OBSERVER_ORDER)
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise UsageError("--observer is empty")
+    return out
+
+
+def _platform(torch, target: str, granularity: str, kv_only: bool):
+    """(granularities to try, the platform assumption in words)."""
+    if target != "compressed-tensors":
+        if granularity == "head":
+            raise UsageError(f"--granularity head: --target {target} takes per-tensor scales only")
+        return ["tensor"], f"per tensor only: {target} checkpoints carry one scale per tensor"
+    if granularity == "tensor":
+        return ["tensor"], "per tensor only (--granularity tensor): every FP8 attention backend"
+    if granularity == "head":
+        if kv_only:
+            raise UsageError("--granularity head with --kv-only: per-head scales run on "
+                             "FlashAttention 3 only, which quantizes the query too")
+        return ["head"], ("per head only (--granularity head): assumes serving on FlashAttention 3 "
+                          "(Hopper or newer)")
+    hopper = (torch.cuda.is_available() and torch.version.hip is None
+              and torch.cuda.get_device_capability(0) >= (9, 0))
+    if hopper and not kv_only:
+        return ["tensor", "head"], (
+            f"per tensor and per head: this machine's GPU ({torch.cuda.get_device_name(0)}) "
+            f"is Hopper-class, assumed to be the serving GPU (per head starts only on "
+            f"FlashAttention 3)")
+    return ["tensor"], ("per tensor only: per-head scales start only on FlashAttention 3 "
+                        "(Hopper or newer) and this machine has no such GPU, so an A100, L40S or "
+                        "MI300 is assumed; pass --granularity head to score per head")
+
+
+def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: int = 2048,
+                    batch_size: int = 1, holdout_samples: Optional[int] = None,
+                    server: Optional[Sequence[str]] = None, out: Optional[str] = None,
+                    observer: str = "auto", granularity: str = "auto",
+                    target: str = "compressed-tensors", kv_only: bool = False,
+                    device: str = "auto", dtype: str = "auto", seed: int = 0,
+                    session: Optional[str] = None, resume: bool = False,
+                    report: Optional[str] = None, gguf_file: Optional[str] = None,
+                    lock_timeout: Optional[float] = None, packing: str = "pack",
+                    auth_token_file: Optional[str] = None, keep_session: bool = False,
+                    scales_dir: Optional[str] = None, quiet: bool = False) -> CalibrationResult:
+    """Calibrates `model` on `dataset` and patches it; see the module docs.
+    Raises CalibrateError (with a one-line message) or UsageError."""
+    ui = _Ui(quiet)
+    t_start = time.monotonic()
+    timings: Dict[str, float] = {}
+    warnings: List[str] = []
+    # -- arguments -------------------------------------------------------------
+    for name, value, low in (("--samples", samples, 1), ("--seq-len", seq_len, 2),
+                             ("--batch-size", batch_size, 1)):
+        if not isinstance(value, int) or value < low:
+            raise UsageError(f"{name} must be an integer >= {low}, got {value}")
+    if holdout_samples is not None and (holdout_samples < 2 or holdout_samples >= samples):
+        raise UsageError(f"--holdout-samples must be at least 2 and below --samples ({samples}), "
+                         f"got {holdout_samples}")
+    if target not in TARGETS:
+        raise UsageError(f"--target {target}: not one of {', '.join(TARGETS)}")
+    if granularity not in ("auto", "tensor", "head"):
+        raise UsageError(f"--granularity {granularity}: not auto, tensor or head")
+    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+        raise UsageError(f"--device {device}: not auto, cpu or cuda")
+    if dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise UsageError(f"--dtype {dtype}: not auto, bfloat16, float16 or float32")
+    if packing not in ("pack", "truncate"):
+        raise UsageError(f"--packing {packing}: not pack or truncate")
+    if resume and session is None and server:
+        raise UsageError("--resume with --server needs --session ID (the session to continue)")
+    if lock_timeout is not None and lock_timeout < 0:
+        raise UsageError("--lock-timeout must be >= 0")
+    observers = _resolve_observers(observer)
+    holdout_given = holdout_samples is not None
+    holdout = holdout_samples if holdout_given else max(2, int(round(samples * 0.1)))
+    if holdout >= samples:
+        raise UsageError(f"--samples {samples} leaves nothing to calibrate on after {holdout} "
+                         f"held-out samples; ask for at least {holdout + 1}")
+    token = None
+    if auth_token_file:
+        try:
+            with open(auth_token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise CalibrateError(f"--auth-token-file {auth_token_file}: {e.strerror}") from None
+
+    # -- model, config, dataset, output: checked before anything is written ----
+    directory, is_hub, gguf = _resolve_model(model, gguf_file)
+    if (is_hub or gguf) and not out:
+        raise CalibrateError(f"{model}: {'a hub model' if is_hub else 'a GGUF model'} is not "
+                             f"patched in place; pass --out DIR for the patched checkpoint")
+    data.check_dataset(dataset)
+    documents = data.read_documents(dataset)
+    if not documents:
+        raise data.DataError(f"{dataset} has no usable text (no non-empty documents)")
+    if out:
+        _check_out(out)
+        if not is_hub and _inside(out, directory):
+            raise CalibrateError(f"--out {out} is inside the model directory {directory}; "
+                                 f"name a directory outside it")
+    if is_hub:
+        ui.say(f"fetching {model} from the Hugging Face hub")
+        directory = _fetch_hub(model)
+    config = _config_dict(directory, gguf)
+    text_config = check_config(config, model)
+    _check_quant_method(config, target, model)
+    if not out:
+        _check_in_place(directory)
+    run = _Run(model, directory, gguf, os.path.abspath(out) if out else None,
+               _work_dir(directory, out))
+    journal = _Journal(run.work)
+    previous = journal.read_run()
+    if previous and not resume:
+        raise CalibrateError(f"an interrupted run left its state in {run.work} (session "
+                             f"{previous.get('session')}); add --resume to continue it, or "
+                             f"delete that directory to start over")
+    if resume and not previous and not server:
+        raise CalibrateError(f"nothing to resume: {run.work} holds no interrupted run of "
+                             f"{model}{' into ' + out if out else ''}")
+
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CalibrateError("--device cuda: torch sees no CUDA device; use --device cpu")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    torch_dtype = getattr(torch, dtype)
+    granularities, platform = _platform(torch, target, granularity, kv_only)
+    kv_modes = [True] if kv_only else [True, False]
+
+    t = time.monotonic()
+    ui.say(f"loading the tokenizer of {model}")
+    tokenizer, load_weights = _load_model(directory, gguf, device, torch_dtype, ui)
+    timings["load"] = time.monotonic() - t
+
+    t = time.monotonic()
+    with ui.bar(total=samples * seq_len, desc="tokenizing", unit="tok") as bar:
+        sampled = data.make_samples(documents, tokenizer, path=dataset, samples=samples,
+                                    seq_len=seq_len, holdout=holdout, seed=seed, packing=packing,
+                                    holdout_given=holdout_given, progress=bar.update)
+    del documents
+    timings["tokenize"] = time.monotonic() - t
+    if sampled.short:
+        warnings.append(
+            f"{dataset} gives {sampled.count} samples of up to {seq_len} tokens ({sampled.tokens} "
+            f"tokens from {sampled.documents} documents); asked for {samples}: calibrating on "
+            f"{len(sampled.calibration)} and holding out {len(sampled.holdout)}")
+        ui.say("warning: " + warnings[-1])
+    options = {"seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
+               "device": device.split(":")[0], "packing": packing, "seed": seed}
+    fingerprint = _fingerprint(sampled, text_config, options)
+    session_id = session or f"kvcal-calibrate-{fingerprint[:16]}"
+    if previous and previous.get("fingerprint") != fingerprint:
+        raise CalibrateError(f"--resume: the samples differ from the interrupted run's in "
+                             f"{run.work} (another dataset, --samples, --seq-len, --seed, "
+                             f"--batch-size, --dtype or device); rerun it the same way, or delete "
+                             f"that directory to start over")
+    if previous and session and previous.get("session") != session:
+        raise CalibrateError(f"--session {session}: the interrupted run in {run.work} used "
+                             f"session {previous.get('session')}")
+    if previous:
+        session_id = previous["session"]
+
+    pad = data.pad_id_of(tokenizer)
+    try:
+        _makedirs(run.work, run.created)
+    except OSError as e:
+        raise CalibrateError(f"cannot create {run.work}: {e.strerror}") from None
+    try:
+        for name, value in dict(
+                previous=previous, resume=resume, fingerprint=fingerprint, session_id=session_id,
+                server=server, token=token, token_file=auth_token_file, load_weights=load_weights,
+                text_config=text_config, sampled=sampled, pad=pad, device=device,
+                batch_size=batch_size, observers=observers, granularities=granularities,
+                kv_modes=kv_modes, platform=platform, target=target, report=report,
+                lock_timeout=lock_timeout, keep_session=keep_session, timings=timings,
+                warnings=warnings, t_start=t_start, dtype=dtype, seq_len=seq_len,
+                scales_dir=scales_dir).items():
+            setattr(run.o, name, value)
+        return _calibrate(run, journal, ui)
+    except BaseException as e:
+        if run.worker is not None:
+            run.worker.stop()
+        kept = run.uploaded or bool(previous)
+        if not kept:
+            _remove_created(run.created)  # nothing worth resuming: leave no trace
+        if isinstance(e, KeyboardInterrupt):
+            if run.stage == "done":
+                raise Interrupted("interrupted after the patch committed: the checkpoint is "
+                                  "patched; the summary and cleanup were skipped") from None
+            where = (f"; its state is kept in {run.work}: rerun with --resume to continue"
+                     if kept else "")
+            raise Interrupted(f"interrupted; the checkpoint is unchanged{where}") from None
+        if kept and isinstance(e, (CalibrateError, data.DataError, WorkerError,
+                                   output.OutputError)) and run.stage != "done":
+            raise type(e)(f"{e} (the run's state is kept in {run.work}: rerun with --resume "
+                          f"after fixing this)") from None
+        raise
+
+
+def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
+    o = run.o
+    import torch
+
+    import kvcal
+    import kvcal.torch as kvtorch
+    from kvcal.torch import UnsupportedModelError
+
+    # -- worker and session (checked before the model loads: fail fast) ----------
+    embedded = not o.server
+    if embedded:
+        run.worker = EmbeddedWorker(run.work)
+        run.worker.start()
+        target_addr = run.worker.target
+        ui.say(f"started a local kvcal-worker on {target_addr} (state in {run.worker.state_dir})")
+    else:
+        target_addr = list(o.server)
+    try:
+        client = kvcal.Client(target_addr, token=o.token)
+    except ValueError as e:
+        raise CalibrateError(str(e)) from None
+    geometry = kvcal.Geometry.from_config(o.text_config)
+    existing = None
+    try:
+        existing = client.status(o.session_id)
+    except kvcal.KvcalError as e:
+        if "NOT_FOUND" not in str(e):
+            raise CalibrateError(f"cannot reach the kvcal worker(s) {client.target}: "
+                                 f"{_first_line(e)}") from None
+    except ValueError as e:
+        raise CalibrateError(_first_line(e)) from None
+    run_record = {"fingerprint": o.fingerprint, "session": o.session_id,
+                  "server": list(o.server) if o.server else None, "model": run.model}
+    if existing is None and o.previous and embedded:
+        raise CalibrateError(f"--resume: the worker state in {run.work} has no session "
+                             f"{o.session_id} (it was lost); delete {run.work} to start over")
+    if existing is not None and not o.resume:
+        raise CalibrateError(f"session {o.session_id} already exists on {client.target}; "
+                             f"add --resume to continue it, or pass another --session")
+
+    t = time.monotonic()
+    ui.say(f"loading {run.model} ({o.dtype} on {o.device})")
+    model = o.load_weights()
+    if not kvtorch._attention_modules(model):
+        raise CalibrateError(f"{run.model} ({type(model).__name__}) has no attention layers "
+                             f"that kvcal can capture")
+    o.timings["load"] += time.monotonic() - t
+
+    try:
+        if existing is None:
+            client.create_session(geometry=geometry, session_id=o.session_id)
+        else:
+            client.attach(o.session_id)
+    except (kvcal.KvcalError, ValueError) as e:
+        raise CalibrateError(f"session {o.session_id} on {client.target}: {_first_line(e)}") from None
+    journal.write_run(run_record)
+    run.uploaded = True  # from here on the work directory is worth keeping
+    run.stage = "upload"
+
+    # -- forwards ----------------------------------------------------------------
+    cal = o.sampled.calibration
+    nbatches = -(-len(cal) // o.batch_size)
+    skip, start_sequence = 0, None
+    if existing is not None:
+        if client.workers is None:
+            applied = 0
+            for p in existing.producers:
+                if p.producer_id == PRODUCER:
+                    applied = p.sequence
+            done = journal.batches()
+            for b in range(nbatches):
+                if b in done and done[b] <= applied:
+                    skip, start_sequence = b + 1, done[b] + 1
+                else:
+                    break
+            start_sequence = start_sequence or 1
+        else:
+            start_sequence = 1  # several workers: resend all, the watermarks drop duplicates
+        ui.say(f"resuming session {o.session_id}: {skip} of {nbatches} batches are on the worker")
+    kwargs = {"start_sequence": start_sequence} if start_sequence else {}
+    if embedded:
+        # Its chunks are safe once applied (the worker writes its state when
+        # stopped), and it does not come back after a crash: fail fast.
+        kwargs.update(keep_until_durable=False, shared_memory=True, reconnect_timeout=10.0)
+    run.resumed = {"skipped_batches": skip, "batches": nbatches} if existing is not None else None
+    t = time.monotonic()
+    producer = kvcal.Producer(client, producer_id=PRODUCER, **kwargs)
+    for _ in range(skip):
+        producer.new_batch()
+    done_before = journal.batches() if skip else {}
+    try:
+        with open(journal.batches_path, "w") as jf:
+            for b in range(skip):
+                journal.add(jf, b, done_before[b])
+            with ui.bar(total=len(cal), desc="forwards", unit="sample") as bar:
+                bar.update(min(len(cal), skip * o.batch_size))
+                with kvtorch.capture(model, producer), torch.no_grad():
+                    for b, batch in enumerate(data.batches(cal, o.batch_size, o.pad, o.device)):
+                        if b < skip:
+                            continue
+                        model(batch.input_ids, attention_mask=batch.attention_mask,
+                              use_cache=False)
+                        if client.workers is None:
+                            journal.add(jf, b, producer.last_sequence)
+                        bar.update(batch.input_ids.shape[0])
+            o.timings["forwards"] = time.monotonic() - t
+            t = time.monotonic()
+            _close_with_bar(producer, ui)
+            o.timings["upload"] = time.monotonic() - t
+    except UnsupportedModelError as e:
+        producer.__exit__(type(e), e, None)
+        raise CalibrateError(_first_line(e)) from None
+    except kvcal.ProducerError as e:
+        producer.__exit__(type(e), e, None)
+        if run.worker is not None and not run.worker.running():
+            raise CalibrateError(f"the embedded kvcal-worker died (exit {run.worker.proc.returncode}"
+                                 f"; its log: {run.worker.log_path})") from None
+        raise CalibrateError(f"streaming to {client.target} failed: {_first_line(e)}") from None
+    except BaseException as e:
+        producer.__exit__(type(e), e, None)
+        raise
+
+    # -- candidates ----------------------------------------------------------------
+    run.stage = "score"
+    _test_seam("score")
+    t = time.monotonic()
+
+    def finalize(obs, gran):
+        try:
+            return client.finalize(observer=obs, granularity=gran)
+        except kvcal.KvcalError as e:
+            raise CalibrateError(f"finalize {obs} per {gran}: {_first_line(e)}") from None
+
+    candidates = select.build_candidates(finalize, geometry, o.observers, o.granularities, o.kv_modes)
+    held = list(data.batches(o.sampled.holdout, o.batch_size, o.pad, o.device))
+    runs = 1 + sum(1 for c in candidates if c.same_as is None)
+    with ui.bar(total=runs, desc="scoring on held-out", unit="run") as bar:
+        scored = select.score(model, held, candidates, progress=lambda: bar.update(1))
+    chosen = select.choose(candidates, scored["blocks"])
+    if o.scales_dir:
+        _save_candidates(o.scales_dir, candidates)
+    why = select.why(chosen, candidates, scored["blocks"])
+    o.timings["finalize_evaluate"] = time.monotonic() - t
+
+    # -- patch, inspect, report -----------------------------------------------------
+    t = time.monotonic()
+    scales_path = os.path.join(run.work, "scales.safetensors")
+    chosen_scales = chosen.scales
+    chosen_scales.metadata["kvcal_calibrate_choice"] = chosen.label
+    chosen_scales.save(scales_path)
+    export = None
+    if run.gguf:
+        export = _gguf_exporter(model, run)
+    run.stage = "patch"
+    patch = output.patch_checkpoint(run.directory, scales_path, out=run.out,
+                                    staging=os.path.join(run.work, "checkpoint"), target=o.target,
+                                    lock_timeout=o.lock_timeout, export=export,
+                                    committed=lambda: setattr(run, "stage", "done"))
+    checkpoint = patch.output_dir
+    inspected = output.inspect(checkpoint, o.target)
+    report_path = os.path.abspath(o.report) if o.report else os.path.join(checkpoint, "kvcal-report.html")
+    evals = []
+    for c in candidates:
+        if c.observer is None or c.same_as is not None or c.evaluation is None:
+            continue
+        path = os.path.join(run.work, f"eval-{len(evals)}.json")
+        c.evaluation.to_json(path)
+        evals.append(path)
+    rep_target = ",".join(o.server) if o.server else run.worker.target
+    try:
+        output.write_report(report_path, rep_target, o.session_id, evals, o.token_file)
+    except output.OutputError as e:
+        o.warnings.append(f"no report: {e}")
+        report_path = None
+    o.timings["patch"] = time.monotonic() - t
+
+    # -- done ------------------------------------------------------------------------
+    if not o.keep_session:
+        try:
+            client.delete(o.session_id)
+        except kvcal.KvcalError:
+            pass
+    client.close()
+    if run.worker is not None:
+        run.worker.stop()
+        run.worker = None
+    shutil.rmtree(run.work, ignore_errors=True)
+    o.timings["total"] = time.monotonic() - o.t_start
+    result = CalibrationResult(
+        checkpoint=checkpoint, report=report_path, chosen=chosen, candidates=candidates,
+        serve=output.serve_line(checkpoint, chosen, o.target), inspect=inspected, patch=patch,
+        session=o.session_id,
+        samples={"calibration": len(o.sampled.calibration), "holdout": len(o.sampled.holdout),
+                 "tokens": o.sampled.tokens, "seq_len": o.seq_len, "batch_size": o.batch_size,
+                 "documents": o.sampled.documents, "requested": o.sampled.requested},
+        platform=o.platform, timings=o.timings, warnings=o.warnings,
+        reference_nll=scored["reference_nll"], holdout_tokens=scored["tokens"], why=why,
+        resumed=run.resumed)
+    return result
+
+
+def _test_seam(stage: str) -> None:
+    """KVCAL_CALIBRATE_TEST_FAIL=STAGE makes the run fail there (tests of
+    the cleanup after a failure; never set it otherwise)."""
+    if os.environ.get("KVCAL_CALIBRATE_TEST_FAIL") == stage:
+        raise CalibrateError(f"test failure injected at {stage} (KVCAL_CALIBRATE_TEST_FAIL)")
+
+
+def _save_candidates(directory: str, candidates) -> None:
+    """Every distinct candidate's scales file into `directory`."""
+    os.makedirs(directory, exist_ok=True)
+    seen = set()
+    for c in candidates:
+        name = (f"{c.origin.replace(' ', '-')}-{c.observer or 'one'}-{c.granularity}"
+                f".safetensors").replace("scale-1.0-one-one", "scale-1.0")
+        if c.scales is None or name in seen:
+            continue
+        seen.add(name)
+        c.scales.save(os.path.join(directory, name))
+
+
+def _close_with_bar(producer, ui: _Ui) -> None:
+    """producer.close(), with a bar of the chunks acknowledged meanwhile."""
+    import threading
+
+    error: list = []
+
+    def close():
+        try:
+            producer.close()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            error.append(e)
+
+    thread = threading.Thread(target=close, name="kvcal-calibrate-close", daemon=True)
+    thread.start()
+    stats = producer.stats()
+    total = max(1, stats.get("last_sequence", 0))
+    with ui.bar(total=total, desc="upload", unit="chunk") as bar:
+        shown = stats.get("acknowledged", 0)
+        bar.update(min(shown, total))
+        while thread.is_alive():
+            thread.join(0.2)
+            now = producer.stats().get("acknowledged", shown)
+            if now > shown:
+                bar.update(min(now, total) - min(shown, total))
+                shown = now
+    if error:
+        raise error[0]
+
+
+def _gguf_exporter(model, run):
+    """export(dir): the GGUF model's de-quantized weights as an ordinary
+    safetensors checkpoint (a model built from the config without GGUF's
+    quantization_config, holding the loaded weights), with its tokenizer."""
+    def export(directory: str) -> int:
+        import copy
+
+        import transformers
+
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = type(model)(config).to(dtype=next(model.parameters()).dtype)
+        plain.load_state_dict({k: v.to("cpu") for k, v in model.state_dict().items()})
+        plain.save_pretrained(directory)
+        del plain
+        transformers.AutoTokenizer.from_pretrained(
+            run.directory, gguf_file=os.path.basename(run.gguf)).save_pretrained(directory)
+        return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(directory)
+                   for f in fs)
+    return export
