@@ -11,6 +11,9 @@ Patching (patch_checkpoint) always runs the `kvcal patch` binary:
   renames it over the link, so the source's files are never written (this
   is checked: every linked source file's inode, size and mtime are
   compared before and after). Then the staging directory is renamed to DIR.
+  While it links, it holds a shared lock on MODEL (the protocol of
+  client/checkpoint_lock.h: flock on MODEL/.kvcal-patch/kvcal.lock), so that
+  a `kvcal patch` in place cannot change MODEL under it;
   A hard-linked DIR shares its unchanged shards with MODEL: a tool that
   later rewrites one of them in place changes both;
 - `--out DIR` on another file system (links fail with EXDEV): `kvcal
@@ -19,6 +22,7 @@ Patching (patch_checkpoint) always runs the `kvcal patch` binary:
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -26,6 +30,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -67,11 +72,13 @@ class PatchInfo:
 
 
 def _size(n: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return str(n)
+    """'315622 bytes (308.2 KiB)'."""
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024.0
+        if value < 1024 or unit == "TiB":
+            return f"{n} bytes ({value:.1f} {unit})" if n >= 1024 else f"{n} bytes"
+    return f"{n} bytes"
 
 
 def run_tool(args: List[str], what: str, timeout: Optional[float] = None,
@@ -126,6 +133,79 @@ def _reflink(src: str, dst: str) -> bool:
         except OSError:
             pass
         return False
+
+
+@contextlib.contextmanager
+def shared_lock(checkpoint: str, timeout: Optional[float]):
+    """LOCK_SH on CHECKPOINT/.kvcal-patch/kvcal.lock, as a reader in
+    client/checkpoint_lock.h's protocol: several readers share it, a writer
+    (an in-place `kvcal patch`) waits for them. A read-only checkpoint
+    without a lock file has no writer to fear: no lock. The last reader
+    removes the lock file (and .kvcal-patch when empty)."""
+    staging = os.path.join(checkpoint, ".kvcal-patch")
+    path = os.path.join(staging, "kvcal.lock")
+    try:
+        os.mkdir(staging)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and not os.path.exists(path):
+            yield None
+            return
+        raise OutputError(f"cannot lock {checkpoint}: {e.strerror} ({staging})") from None
+    deadline = time.monotonic() + (timeout or 0.0)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            else:
+                raise OutputError(f"cannot lock {checkpoint}: {e.strerror} ({path})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                raise OutputError(f"{checkpoint} is being patched by {_holder(path)}; wait for it, "
+                                  f"or pass --lock-timeout SECONDS to wait") from None
+            time.sleep(0.2)
+            continue
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # a releasing writer unlinked it: start again
+    try:
+        yield fd
+    finally:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the last reader cleans up
+            if _same_file(fd, path):
+                os.unlink(path)
+                try:
+                    os.rmdir(staging)
+                except OSError:
+                    pass
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _holder(path: str) -> str:
+    try:
+        with open(path) as f:
+            line = json.loads(f.readline() or "{}")
+        return f"pid {line.get('pid')} on {line.get('host')} (`{line.get('command')}`)"
+    except (OSError, ValueError, AttributeError):
+        return "another process"
 
 
 def link_tree(src: str, dst: str):
@@ -210,7 +290,8 @@ def _patch(checkpoint, scales_path, out, staging, target, lock_timeout, export, 
             info = PatchInfo(out, "gguf export", written_bytes=export(staging))
             stats = {}
         else:
-            linked = link_tree(checkpoint, staging)
+            with shared_lock(checkpoint, lock_timeout):
+                linked = link_tree(checkpoint, staging)
             if linked is None:
                 copied = sum(os.path.getsize(real) for _, real in _entries(checkpoint))
                 info = PatchInfo(out, "copy", copied_bytes=copied)

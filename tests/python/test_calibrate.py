@@ -12,8 +12,10 @@ GGUF once and cached), with the embedded worker from this build:
   bit-identical to the uninterrupted run (every candidate's scales file);
 - the embedded worker is gone after success, a failure and Ctrl-C (SIGINT);
 - bad inputs give one line on stderr, the exit code, and change nothing;
-- unit checks of the sampling (seed, held-out separation, short data) and of
-  the choice rule, and of padding never reaching the statistics.
+- unit checks of the --out copy across file systems and the shared lock on
+  the source while linking, of the sampling (seed, held-out separation,
+  short data), of the choice rule, and of padding never reaching the
+  statistics.
 """
 import json
 import math
@@ -30,7 +32,7 @@ import torch
 
 import kvcal
 from conftest import BUILD
-from kvcal import calibrate, calibrate_data, calibrate_select
+from kvcal import calibrate, calibrate_data, calibrate_output, calibrate_select
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 LICENSES = "/usr/share/common-licenses"
@@ -495,7 +497,66 @@ def test_mla_refused_in_place_too(bad_models, dataset, capsys):
     assert snapshot(bad_models["mla"]) == before
 
 
-# -- units: sampling, choice, padding ---------------------------------------------------
+# -- units: output, sampling, choice, padding -------------------------------------------
+
+def tiny_patch_inputs(tmp_path):
+    from test_vllm_own_code import make_scales, write_checkpoint
+
+    src = write_checkpoint(str(tmp_path / "model"))
+    scales = str(tmp_path / "scales.safetensors")
+    kvcal.Scales(make_scales("tensor"), granularity="tensor", observer="static_minmax").save(scales)
+    return src, scales
+
+
+def test_out_on_another_file_system_is_copied(tmp_path):
+    """Links cannot cross file systems: `kvcal patch --out` copies (and
+    verifies), and the bytes copied are reported."""
+    if os.stat(str(tmp_path)).st_dev == os.stat("/dev/shm").st_dev:
+        pytest.skip("/dev/shm is on the same file system as the test's tmp dir")
+    src, scales = tiny_patch_inputs(tmp_path)
+    before = snapshot(src)
+    base = f"/dev/shm/kvcal-calibrate-test-{os.getpid()}"
+    try:
+        info = calibrate_output.patch_checkpoint(src, scales, out=base + "-out",
+                                                 staging=base + "-staging", target="compressed-tensors")
+        assert info.mode == "copy" and info.copied_bytes == sum(
+            os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
+        assert f"another file system, so {info.copied_bytes} bytes" in info.describe()
+        assert len(scale_tensors(base + "-out")) == 6 and not os.path.exists(base + "-staging")
+    finally:
+        import shutil
+
+        shutil.rmtree(base + "-out", ignore_errors=True)
+        shutil.rmtree(base + "-staging", ignore_errors=True)
+    assert snapshot(src) == before
+
+
+def test_linking_holds_a_shared_lock_on_the_source(tmp_path):
+    """While it links, --out holds LOCK_SH on MODEL/.kvcal-patch/kvcal.lock
+    (client/checkpoint_lock.h): an in-place patch holding LOCK_EX makes it
+    fail naming the holder; free, it leaves no lock file behind."""
+    import fcntl
+
+    src, scales = tiny_patch_inputs(tmp_path)
+    with calibrate_output.shared_lock(src, None) as fd:
+        assert fd is not None
+        probe = os.open(os.path.join(src, ".kvcal-patch", "kvcal.lock"), os.O_RDONLY)
+        with pytest.raises(BlockingIOError):  # a writer would have to wait
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(probe)
+    assert not os.path.exists(os.path.join(src, ".kvcal-patch"))
+    os.mkdir(os.path.join(src, ".kvcal-patch"))
+    holder = os.open(os.path.join(src, ".kvcal-patch", "kvcal.lock"), os.O_RDWR | os.O_CREAT)
+    os.write(holder, b'{"pid": 4242, "host": "h", "command": "kvcal patch --checkpoint m"}\n')
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(calibrate_output.OutputError, match="pid 4242 on h"):
+            calibrate_output.patch_checkpoint(src, scales, out=str(tmp_path / "out"),
+                                              staging=str(tmp_path / "staging"),
+                                              target="compressed-tensors", lock_timeout=0.3)
+        assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "staging")
+    finally:
+        os.close(holder)
 
 class WordTokenizer:
     """One token per word (ids by first appearance), EOS 1."""
