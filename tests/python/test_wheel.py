@@ -13,7 +13,8 @@ kvcal is the one imported.
 
 Checks: the wheel's name, tag and metadata (version from VERSION, extras,
 console scripts); `kvcal --version` / `kvcal-worker --version` (the
-VERSION file's) and `kvcal demo` through the console scripts,
+VERSION file's), `kvcal-calibrate --help` and `kvcal demo` through the
+console scripts,
 with the demo's worker the wheel's own; the package imports from the fresh
 environment with no checkout path on sys.path; ldd of the installed
 binaries resolves every library other than glibc's inside the installed
@@ -122,6 +123,7 @@ def test_wheel_name_tag_and_metadata(wheel):
                    for line in metadata.splitlines()), req
     assert "kvcal = kvcal._binaries:main_kvcal" in entry_points
     assert "kvcal-worker = kvcal._binaries:main_worker" in entry_points
+    assert "kvcal-calibrate = kvcal.calibrate:main" in entry_points
     for path in ("kvcal/bin/kvcal", "kvcal/bin/kvcal-worker", "kvcal/v1/calibration_pb2.py",
                  "kvcal/v1/calibration_pb2_grpc.py", "kvcal/lib/libstdc++.so.6"):
         assert path in names, path
@@ -131,12 +133,15 @@ def test_wheel_name_tag_and_metadata(wheel):
 
 
 def test_console_scripts_from_elsewhere(fresh):
-    for script in ("kvcal", "kvcal-worker"):
+    for script in ("kvcal", "kvcal-worker", "kvcal-calibrate"):
         path = shutil.which(script, path=fresh["env"]["PATH"])
         assert path == os.path.join(fresh["venv"], "bin", script)
     help_text = run_in(fresh, "kvcal", "--help")
     assert help_text.returncode == 0, help_text.stderr
     assert "Usage: kvcal" in help_text.stdout
+    help_text = run_in(fresh, "kvcal-calibrate", "--help")
+    assert help_text.returncode == 0, help_text.stderr
+    assert help_text.stdout.startswith("usage: kvcal-calibrate"), help_text.stdout
     version = read_version()
     for script in ("kvcal", "kvcal-worker"):
         proc = run_in(fresh, script, "--version")
