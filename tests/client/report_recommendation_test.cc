@@ -69,9 +69,11 @@ TEST(RecommendFromEvaluationsTest, QuantizesQOnlyWhenItCostsAtMostTheNoise) {
   const EvaluationRow kv = Row("static_minmax", "tensor", true, 0.020, 0.05);
   EvaluationRow qkv = Row("static_minmax", "tensor", false, 0.020, 0.06);
 
+  // The recommendation points into the rows: they outlive it.
   qkv.delta_nll = kv.delta_nll + 0.5 * kSignificantNats;
+  const std::vector<EvaluationRow> cheap_rows = {kv, qkv};
   Recommendation cheap =
-      RecommendFromEvaluations({kv, qkv}, Format::kFp8E4m3fn);
+      RecommendFromEvaluations(cheap_rows, Format::kFp8E4m3fn);
   EXPECT_EQ(cheap.json["quantize"], "q_k_v");
   EXPECT_EQ(cheap.json["basis"], "evaluation");
   EXPECT_EQ(cheap.json["observer"], "static_minmax");
@@ -79,8 +81,9 @@ TEST(RecommendFromEvaluationsTest, QuantizesQOnlyWhenItCostsAtMostTheNoise) {
   EXPECT_THAT(cheap.reason, HasSubstr("at most"));
 
   qkv.delta_nll = kv.delta_nll + 2 * kSignificantNats;
+  const std::vector<EvaluationRow> costly_rows = {kv, qkv};
   Recommendation costly =
-      RecommendFromEvaluations({kv, qkv}, Format::kFp8E4m3fn);
+      RecommendFromEvaluations(costly_rows, Format::kFp8E4m3fn);
   EXPECT_EQ(costly.json["quantize"], "k_v");
   EXPECT_THAT(costly.reason, HasSubstr("more than"));
   ASSERT_NE(costly.row, nullptr);
