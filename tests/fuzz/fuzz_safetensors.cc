@@ -7,6 +7,7 @@
 // buffer, each size = elements x dtype size, every Data() span inside the
 // mapping, Find() consistent. An accepted file written back with
 // WriteSafetensors reads back with the same tensors, bytes and metadata.
+#include <stdlib.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -62,7 +63,15 @@ void CheckHeader(const SafetensorsHeader& header, uint64_t data_size) {
 
 void Run(const uint8_t* data, size_t size) {
   static MemFile* input = new MemFile("fuzz-input");
-  static MemFile* output = new MemFile("fuzz-output");
+  // The copy goes to a real file: WriteSafetensors writes a temporary file
+  // beside its target and renames it (WriteOutputFile), which a memfd's
+  // /proc/self/fd link cannot take (it would be written through to a file
+  // named after the memfd in the working directory's root).
+  static const std::string* output_path = [] {
+    char dir[] = "/tmp/kvcal-fuzz-safetensors-XXXXXX";
+    FUZZ_CHECK(::mkdtemp(dir) != nullptr);
+    return new std::string(std::string(dir) + "/copy.safetensors");
+  }();
 
   // The header on its own, as the format defines it.
   std::optional<bool> direct_ok;
@@ -111,10 +120,10 @@ void Run(const uint8_t* data, size_t size) {
   (void)checksum;
 
   // Written back, it reads back the same.
-  FUZZ_CHECK(WriteSafetensors(output->path(), tensors, file->metadata(),
+  FUZZ_CHECK(WriteSafetensors(*output_path, tensors, file->metadata(),
                               /*block_bytes=*/7)
                  .ok());
-  absl::StatusOr<SafetensorsFile> copy = SafetensorsFile::Open(output->path());
+  absl::StatusOr<SafetensorsFile> copy = SafetensorsFile::Open(*output_path);
   FUZZ_CHECK(copy.ok());
   FUZZ_CHECK(copy->metadata() == file->metadata());
   FUZZ_CHECK(copy->tensors().size() == file->tensors().size());
