@@ -14,6 +14,11 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.environ.get("KVCAL_BUILD_DIR", os.path.join(ROOT, "build"))
 WORKER_BIN = os.path.join(BUILD, "service", "kvcal-worker")
 KVCAL_CLI = os.environ.get("KVCAL_CLI", os.path.join(BUILD, "client", "kvcal"))
+# The package under test is installed into .venv (not run from python/), so
+# kvcal._binaries cannot find the checkout's build by its own location: name
+# it, for the code that runs the binaries in this process (the tests that
+# check the lookup itself set or clear these variables on their own).
+os.environ.setdefault("KVCAL_BUILD_DIR", BUILD)
 
 sys.path.insert(0, os.path.dirname(__file__))
 
