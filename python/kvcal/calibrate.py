@@ -84,6 +84,8 @@ def summary(result: CalibrationResult) -> str:
                  f"written: {v.get('clean')}, KV cache {v.get('kv_cache_dtype')}")
     if result.report:
         lines.append(f"report: {result.report}")
+        if result.report_note:
+            lines.append(f"  note: {result.report_note}")
     lines.append("serve it with:")
     lines.append(f"  {result.serve['command']}")
     lines.append(f"  attention backends: {result.serve['backends']}")
@@ -151,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    tqdm_disable = os.environ.get("TQDM_DISABLE")
+    if args.json:  # quiet: no bar from the libraries either (tqdm reads TQDM_DISABLE)
+        os.environ["TQDM_DISABLE"] = "1"
 
     def on_term(signum, frame):
         raise Interrupted()
@@ -181,6 +186,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail(args, f"{type(e).__name__}: {e} (unexpected; KVCAL_DEBUG=1 shows where)", 1)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if tqdm_disable is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = tqdm_disable
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -54,6 +54,7 @@ class CalibrationResult:
     holdout_tokens: int = 0
     why: str = ""                         # why the chosen candidate, in words
     resumed: Optional[dict] = None        # {"skipped_batches", "batches"} after --resume
+    report_note: str = ""                 # where the report's own recommendation differs
 
     @property
     def scale_one(self) -> select.Candidate:
@@ -75,6 +76,7 @@ class CalibrationResult:
             "patch": vars(self.patch), "inspect": _inspect_summary(self.inspect),
             "samples": self.samples, "timings": {k: round(v, 3) for k, v in self.timings.items()},
             "warnings": self.warnings, "resumed": self.resumed,
+            "report_note": self.report_note or None,
         }
 
 
@@ -792,8 +794,10 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
         c.evaluation.to_json(path)
         evals.append(path)
     rep_target = ",".join(o.server) if o.server else run.worker.target
+    report_note = ""
     try:
-        output.write_report(report_path, rep_target, o.session_id, evals, o.token_file)
+        page = output.write_report(report_path, rep_target, o.session_id, evals, o.token_file)
+        report_note = _report_differs(page.get("recommendation") or {}, chosen)
     except output.OutputError as e:
         o.warnings.append(f"no report: {e}")
         report_path = None
@@ -820,8 +824,30 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
                  "documents": o.sampled.documents, "requested": o.sampled.requested},
         platform=o.platform, timings=o.timings, warnings=o.warnings,
         reference_nll=scored["reference_nll"], holdout_tokens=scored["tokens"], why=why,
-        resumed=run.resumed)
+        resumed=run.resumed, report_note=report_note)
     return result
+
+
+def _report_differs(rec: dict, chosen: select.Candidate) -> str:
+    """A sentence when `kvcal report`'s Recommendation section (its fixed
+    rule among the calibrated rows; scale 1.0 is not one) names another
+    setting than the one chosen, else ''."""
+    if rec.get("basis") != "evaluation":
+        return ""
+    same = (chosen.observer is not None and rec.get("observer") == chosen.observer
+            and rec.get("granularity") == chosen.granularity
+            and (rec.get("quantize") == "k_v") == chosen.kv_only)
+    if same:
+        return ""
+    kind = "K, V" if rec.get("quantize") == "k_v" else "Q, K, V"
+    label = rec.get("label") or ""
+    if " per " not in label:  # not one of kvcal-calibrate's labels
+        label = f"{label or rec.get('observer')} per {rec.get('granularity')}, {kind}"
+    elif label.endswith(("Q, K, V", "K, V")) and not label.endswith(kind):
+        label = f"{label.rsplit(', ', 3 if label.endswith('Q, K, V') else 2)[0]}, {kind}"
+    return (f"the report's Recommendation section names {label}: kvcal report's own rule (0.01 nats/token "
+            f"against static min-max per tensor, among calibrated settings only); the choice "
+            f"above also weighs scale 1.0 and the measured standard errors")
 
 
 def _test_seam(stage: str) -> None:

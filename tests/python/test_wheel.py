@@ -275,3 +275,30 @@ def test_sdist_carries_version_and_contract(tmp_path):
     with zipfile.ZipFile(built) as z:
         assert z.read("kvcal/_version.py").decode().endswith(f"__version__ = {version!r}\n")
         assert "kvcal/v1/calibration_pb2.py" in z.namelist()
+
+
+def test_kvcal_calibrate_from_the_fresh_environment(fresh, tmp_path):
+    """`kvcal-calibrate`, the wheel's console script, from the fresh
+    environment (no checkout on PATH or sys.path, so its embedded worker and
+    `kvcal patch` are the wheel's binaries): SmolLM2 on a few prompts gives
+    a patched copy that the wheel's `kvcal inspect` accepts, a report and
+    the `vllm serve` line."""
+    import smollm2
+
+    smollm2.require()
+    model = smollm2.checkpoint_dir()
+    data = tmp_path / "prompts.jsonl"
+    with open(data, "w") as f:
+        for paragraph in smollm2.text(smollm2.CALIBRATION_FILES).split(". ")[:80]:
+            f.write(json.dumps({"text": paragraph + "."}) + "\n")
+    out = tmp_path / "out"
+    proc = run_in(fresh, os.path.join(fresh["venv"], "bin", "kvcal-calibrate"), model,
+                  "--dataset", str(data), "--samples", "6", "--seq-len", "32", "--observer",
+                  "static_minmax", "--out", str(out), "--json", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["checkpoint"] == str(out) and os.path.exists(result["report"])
+    assert result["inspect"]["clean"] is True
+    assert result["serve"]["command"].startswith(f"vllm serve {out} --kv-cache-dtype fp8")
+    inspect = run_in(fresh, "kvcal", "inspect", str(out))
+    assert inspect.returncode == 0, inspect.stderr
