@@ -246,7 +246,10 @@ def test_checkpoint_holds_the_chosen_scales_and_passes_inspect(calibrated, kvcal
     assert calibrated["json"]["inspect"]["clean"] is True
 
 
-def test_vllm_loads_every_scale_as_written(calibrated):
+def assert_vllm_loads_every_scale_as_written(out):
+    """vLLM 0.34's own loader (test_vllm_own_code.py's child process) reads
+    every scale tensor of the patched SmolLM2 checkpoint OUT into its
+    attention layer, as written, with an FP8 cache and no scale warning."""
     from test_vllm_own_code import VLLM_DIR, VllmProcess, assert_no_scale_warnings
 
     if not os.path.isfile(os.path.join(VLLM_DIR, "vllm", "__init__.py")):
@@ -254,7 +257,6 @@ def test_vllm_loads_every_scale_as_written(calibrated):
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    out = calibrated["out"]
     written = scale_tensors(out)
     child = VllmProcess(os.path.join(os.path.dirname(out), "vllm.log"),
                         module="test_vllm_own_code")
@@ -273,6 +275,10 @@ def test_vllm_loads_every_scale_as_written(calibrated):
             assert got[f"_{role}_scale"] == value.tolist(), (layer, role)
             assert got[f"_{role}_scale_float"] == float(value[0]), (layer, role)
     assert_no_scale_warnings(loaded)
+
+
+def test_vllm_loads_every_scale_as_written(calibrated):
+    assert_vllm_loads_every_scale_as_written(calibrated["out"])
 
 
 def test_report_renders_without_console_errors(calibrated):

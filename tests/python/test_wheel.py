@@ -302,3 +302,7 @@ def test_kvcal_calibrate_from_the_fresh_environment(fresh, tmp_path):
     assert result["serve"]["command"].startswith(f"vllm serve {out} --kv-cache-dtype fp8")
     inspect = run_in(fresh, "kvcal", "inspect", str(out))
     assert inspect.returncode == 0, inspect.stderr
+    # ... and vLLM 0.34's own loader reads every scale as written.
+    from test_calibrate import assert_vllm_loads_every_scale_as_written
+
+    assert_vllm_loads_every_scale_as_written(str(out))
