@@ -1,11 +1,10 @@
 // The statistics engine's backend interface: one per calibration session.
 //
 //   KVCAL_ASSIGN_OR_RETURN(std::unique_ptr<kvcal::StatisticsBackend> backend,
-//                          kvcal::CreateBackend(kvcal::BackendKind::kAuto,
-//                                               geometry));
+//                          kvcal::CreateBackend(kvcal::BackendKind::kAuto, geometry));
 //   KVCAL_RETURN_IF_ERROR(backend->Accumulate(chunk));   // many times
-//   KVCAL_ASSIGN_OR_RETURN(kvcal::SessionStatistics stats,
-//   backend->Snapshot()); KVCAL_ASSIGN_OR_RETURN(kvcal::ScaleResult scales,
+//   KVCAL_ASSIGN_OR_RETURN(kvcal::SessionStatistics stats, backend->Snapshot());
+//   KVCAL_ASSIGN_OR_RETURN(kvcal::ScaleResult scales,
 //                          kvcal::ComputeScales(stats, options));
 //
 // Accumulate validates the chunk first (ValidateChunk); an invalid chunk

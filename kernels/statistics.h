@@ -8,7 +8,7 @@
 //   KVCAL_RETURN_IF_ERROR(stats.Merge(other));
 //   std::string bytes = stats.Serialize();
 //   KVCAL_ASSIGN_OR_RETURN(auto copy,
-//   kvcal::SessionStatistics::Deserialize(bytes));
+//                          kvcal::SessionStatistics::Deserialize(bytes));
 //
 // All statistics are order-independent: min, max, counts, histograms, tails
 // and batch extrema exactly; the double sums up to rounding. So merging the

@@ -7,7 +7,7 @@
 //   KVCAL_ASSIGN_OR_RETURN(IngestOutcome outcome,
 //                          session->Ingest("rank0", /*sequence=*/1, chunk));
 //   KVCAL_ASSIGN_OR_RETURN(ScaleResult scales,
-//   session->Finalize(scale_options));
+//                          session->Finalize(scale_options));
 #ifndef KVCAL_SERVICE_SESSION_H_
 #define KVCAL_SERVICE_SESSION_H_
 

@@ -5,8 +5,8 @@
 //
 //   SessionRegistry registry({.max_sessions = 64,
 //                             .memory_budget_bytes = 8ull << 30});
-//   KVCAL_ASSIGN_OR_RETURN(auto session, registry.Create("team-a", "",
-//   geometry));
+//   KVCAL_ASSIGN_OR_RETURN(auto session,
+//                          registry.Create("team-a", "", geometry));
 #ifndef KVCAL_SERVICE_SESSION_REGISTRY_H_
 #define KVCAL_SERVICE_SESSION_REGISTRY_H_
 

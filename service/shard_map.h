@@ -6,8 +6,7 @@
 //
 //   KVCAL_RETURN_IF_ERROR(ValidateShardMap(map, geometry.num_layers));
 //   KVCAL_RETURN_IF_ERROR(CheckWorkerSet("run7", map, request_ids));
-//   KVCAL_RETURN_IF_ERROR(CheckLayerOwner("run7", map, layer,
-//   "kvcal-worker-2"));
+//   KVCAL_RETURN_IF_ERROR(CheckLayerOwner("run7", map, layer, "kvcal-worker-2"));
 #ifndef KVCAL_SERVICE_SHARD_MAP_H_
 #define KVCAL_SERVICE_SHARD_MAP_H_
 

@@ -2,9 +2,10 @@
 // atomically (temp file, fsync, rename, fsync of the directory).
 //
 //   StateStore store("/var/lib/kvcal");
-//   KVCAL_RETURN_IF_ERROR(store.Save("run-1", state));   //
-//   kvcal.v1.SessionState for (const StoredState& s : store.LoadAll()) ... //
-//   corrupt files moved aside
+//   KVCAL_RETURN_IF_ERROR(store.Open());
+//   KVCAL_RETURN_IF_ERROR(store.Save("team-a", "run-1", state));  // a SessionState
+//   std::vector<std::string> problems;       // corrupt files, moved aside
+//   for (const StoredState& s : store.LoadAll(&problems)) ...
 //
 // File format: 8 bytes magic "KVCALSS1", u64 payload length, u64 FNV-1a 64 of
 // the payload, then the payload: a serialized kvcal.v1.SessionState. All

@@ -6,8 +6,9 @@
 //   WorkerOptions options;
 //   options.listen = "127.0.0.1:0";
 //   KVCAL_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker,
-//   Worker::Start(options)); std::cout << worker->port();
-//   worker->Shutdown(absl::Seconds(10));
+//                          Worker::Start(options));
+//   std::cout << worker->port();
+//   worker->Shutdown(std::chrono::seconds(10));
 #ifndef KVCAL_SERVICE_WORKER_H_
 #define KVCAL_SERVICE_WORKER_H_
 

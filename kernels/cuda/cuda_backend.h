@@ -4,8 +4,7 @@
 //
 //   if (kvcal::CudaDeviceCount() > 0) {
 //     KVCAL_ASSIGN_OR_RETURN(auto backend,
-//                            kvcal::CreateCudaBackend(geometry, {.device =
-//                            0}));
+//                            kvcal::CreateCudaBackend(geometry, {.device = 0}));
 //   }
 //
 // Every call makes the backend's device current on the calling thread and
