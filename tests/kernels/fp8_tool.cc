@@ -11,6 +11,10 @@
 //     [tokens, heads, dim], k, v [tokens, kv_heads, dim], q scales [heads],
 //     k and v scales [kv_heads]. OUT: JSON with per-head error_sq,
 //     reference_sq, relative_error and per-role values/saturated/subnormal.
+//   kvcal_fp8_tool nvfp4 IN OUT
+//     IN: f32 checkpoint scale, u32 variant (0 nvfp4, 1 nvfp4_4over6), then
+//     float32 values (whole blocks of 16); OUT: float32 values as the NVFP4
+//     cache reads them back (kernels/nvfp4.h, Nvfp4FakeQuantize).
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -21,6 +25,7 @@
 
 #include "kernels/fp8_attention.h"
 #include "kernels/fp8_math.h"
+#include "kernels/nvfp4.h"
 
 namespace {
 
@@ -128,14 +133,36 @@ int Attention(const std::string& data, const char* out_path) {
 
 }  // namespace
 
+int Nvfp4(const std::string& data, const char* out_path) {
+  std::vector<float> scale;
+  std::vector<uint32_t> variant;
+  std::vector<float> x;
+  size_t at = 0;
+  if (!Take(data, at, 1, &scale) || !Take(data, at, 1, &variant)) {
+    return Fail("short input");
+  }
+  if (!Take(data, at, (data.size() - at) / 4, &x)) return Fail("short input");
+  std::vector<float> out(x.size());
+  const absl::Status status = kvcal::Nvfp4FakeQuantize(
+      x, scale[0],
+      variant[0] == 1 ? kvcal::Nvfp4Variant::kFourOverSix
+                      : kvcal::Nvfp4Variant::kDefault,
+      absl::MakeSpan(out));
+  if (!status.ok()) return Fail(std::string(status.message()));
+  std::ofstream(out_path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(out.data()), out.size() * 4);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc != 4) {
-    return Fail("usage: kvcal_fp8_tool cast|fake_quantize|attention IN OUT");
+    return Fail("usage: kvcal_fp8_tool cast|fake_quantize|attention|nvfp4 IN OUT");
   }
   const std::string mode = argv[1];
   const std::string data = ReadFile(argv[2]);
   if (mode == "cast") return Cast(data, argv[3]);
   if (mode == "fake_quantize") return FakeQuantize(data, argv[3]);
   if (mode == "attention") return Attention(data, argv[3]);
+  if (mode == "nvfp4") return Nvfp4(data, argv[3]);
   return Fail("unknown mode " + mode);
 }
