@@ -13,9 +13,7 @@ namespace kvcal {
 namespace {
 
 // vLLM's round_to_nearest_e2m1 (the 4over6 error): the value, not the code.
-float RoundToNearestE2m1(float x) {
-  return E2m1ToFloat(E2m1FromFloat(x));
-}
+float RoundToNearestE2m1(float x) { return E2m1ToFloat(E2m1FromFloat(x)); }
 
 struct Candidate {
   uint8_t scale_bits;
@@ -24,16 +22,15 @@ struct Candidate {
 };
 
 // nvfp4_candidate_scale (and cvt_warp_fp16_to_fp4's scale with 6).
-Candidate CandidateScale(float global_scale, float vec_max,
-                         float denominator) {
+Candidate CandidateScale(float global_scale, float vec_max, float denominator) {
   const float sf_value =
       global_scale * (vec_max * ReciprocalApproximateFtz(denominator));
   const uint8_t bits = Fp8E4m3fnFromFloat(sf_value);
   const float sf = Fp8E4m3fnToFloat(bits);
   const float output_scale =
-      sf != 0.0f
-          ? ReciprocalApproximateFtz(sf * ReciprocalApproximateFtz(global_scale))
-          : 0.0f;
+      sf != 0.0f ? ReciprocalApproximateFtz(
+                       sf * ReciprocalApproximateFtz(global_scale))
+                 : 0.0f;
   return {bits, output_scale, sf_value > kFp8E4m3fnMax};
 }
 
@@ -143,32 +140,30 @@ float Nvfp4Dequantize(uint8_t code, uint8_t scale_bits,
 
 absl::Status Nvfp4FakeQuantize(absl::Span<const float> x,
                                float checkpoint_scale, Nvfp4Variant variant,
-                               absl::Span<float> out,
-                               Nvfp4RowCounts* counts) {
+                               absl::Span<float> out, Nvfp4RowCounts* counts) {
   if (x.size() % kNvfp4BlockSize != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "NVFP4: ", x.size(), " values are not whole blocks of ",
-        kNvfp4BlockSize, " (vLLM requires head_size % 16 == 0)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("NVFP4: ", x.size(), " values are not whole blocks of ",
+                     kNvfp4BlockSize, " (vLLM requires head_size % 16 == 0)"));
   }
   if (out.size() != x.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("NVFP4: output has ", out.size(), " values, input ",
-                     x.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "NVFP4: output has ", out.size(), " values, input ", x.size()));
   }
   const float global_scale = Nvfp4GlobalScale(checkpoint_scale);
   if (!std::isfinite(checkpoint_scale) || !(checkpoint_scale > 0.0f) ||
       !std::isfinite(global_scale)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "NVFP4: checkpoint scale ", checkpoint_scale,
-        " is not finite and > 0 with a finite reciprocal"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("NVFP4: checkpoint scale ", checkpoint_scale,
+                     " is not finite and > 0 with a finite reciprocal"));
   }
   uint8_t codes[kNvfp4BlockSize];
   for (size_t at = 0; at < x.size(); at += kNvfp4BlockSize) {
     const Nvfp4Block block =
         Nvfp4QuantizeBlock(x.data() + at, global_scale, variant, codes);
     for (int i = 0; i < kNvfp4BlockSize; ++i) {
-      out[at + i] = Nvfp4Dequantize(codes[i], block.scale_bits,
-                                    checkpoint_scale);
+      out[at + i] =
+          Nvfp4Dequantize(codes[i], block.scale_bits, checkpoint_scale);
     }
     if (counts != nullptr) {
       const float sf = Fp8E4m3fnToFloat(block.scale_bits);

@@ -113,8 +113,7 @@ float Nvfp4GlobalScale(float checkpoint_scale);
 
 // The value attention reads for a code under a block scale and the
 // checkpoint scale: (E2m1ToFloat(code) * float(e4m3 scale)) * scale.
-float Nvfp4Dequantize(uint8_t code, uint8_t scale_bits,
-                      float checkpoint_scale);
+float Nvfp4Dequantize(uint8_t code, uint8_t scale_bits, float checkpoint_scale);
 
 // Counts of one row's blocks.
 struct Nvfp4RowCounts {

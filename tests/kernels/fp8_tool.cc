@@ -156,7 +156,8 @@ int Nvfp4(const std::string& data, const char* out_path) {
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    return Fail("usage: kvcal_fp8_tool cast|fake_quantize|attention|nvfp4 IN OUT");
+    return Fail(
+        "usage: kvcal_fp8_tool cast|fake_quantize|attention|nvfp4 IN OUT");
   }
   const std::string mode = argv[1];
   const std::string data = ReadFile(argv[2]);

@@ -8,6 +8,8 @@
 // E4M3 block scales that matter (zero, below the smallest subnormal, each
 // subnormal, the first normal, 448), the 4over6 choice, and random blocks,
 // bit for bit.
+#include "kernels/nvfp4.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,7 +20,6 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/nvfp4.h"
 
 namespace kvcal {
 namespace {
@@ -94,7 +95,8 @@ float RefRcp(float a) {
     return std::signbit(a) ? -INFINITY : INFINITY;
   }
   const float r = static_cast<float>(1.0 / static_cast<double>(a));
-  if (std::fabs(r) < std::ldexp(1.0f, -126)) return std::signbit(a) ? -0.0f : 0.0f;
+  if (std::fabs(r) < std::ldexp(1.0f, -126))
+    return std::signbit(a) ? -0.0f : 0.0f;
   return r;
 }
 
@@ -140,7 +142,8 @@ RefResult RefBlock(const float* x, float gs, bool four_over_six) {
   RefCandidate c = RefCandidateScale(gs, static_cast<float>(vmax), 6.0f);
   RefResult r{};
   if (four_over_six) {
-    const RefCandidate c4 = RefCandidateScale(gs, static_cast<float>(vmax), 4.0f);
+    const RefCandidate c4 =
+        RefCandidateScale(gs, static_cast<float>(vmax), 4.0f);
     if (RefError(x, c4.out) < RefError(x, c.out)) {
       c = c4;
       r.max4 = true;
@@ -210,15 +213,16 @@ TEST(E2m1, EveryBf16AndEveryFloatNearAMidpointMatchesTheReference) {
   }
   for (float m : {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f}) {
     for (int32_t d = -2000; d <= 2000; ++d) {
-      const float x = FromBits(static_cast<uint32_t>(
-          static_cast<int32_t>(Bits(m)) + d));
+      const float x =
+          FromBits(static_cast<uint32_t>(static_cast<int32_t>(Bits(m)) + d));
       ASSERT_EQ(E2m1FromFloat(x), RefE2m1(x)) << x;
       ASSERT_EQ(E2m1FromFloat(-x), RefE2m1(-x)) << -x;
     }
   }
 }
 
-// --- the reciprocal -----------------------------------------------------------
+// --- the reciprocal
+// -----------------------------------------------------------
 
 TEST(ReciprocalApproximateFtz, FlushesAndSpecialValues) {
   EXPECT_EQ(ReciprocalApproximateFtz(4.0f), 0.25f);
@@ -246,7 +250,8 @@ TEST(ReciprocalApproximateFtz, FlushesAndSpecialValues) {
   }
 }
 
-// --- blocks -------------------------------------------------------------------
+// --- blocks
+// -------------------------------------------------------------------
 
 void ExpectBlockMatchesReference(const float* x, float gs, Nvfp4Variant v,
                                  const char* what) {
@@ -256,7 +261,8 @@ void ExpectBlockMatchesReference(const float* x, float gs, Nvfp4Variant v,
   EXPECT_EQ(block.scale_bits, ref.scale_bits) << what;
   EXPECT_EQ(block.max4, ref.max4) << what;
   for (int i = 0; i < 16; ++i) {
-    EXPECT_EQ(codes[i], ref.codes[i]) << what << " value " << i << " = " << x[i];
+    EXPECT_EQ(codes[i], ref.codes[i])
+        << what << " value " << i << " = " << x[i];
   }
 }
 
@@ -277,8 +283,9 @@ TEST(Nvfp4Block, ZerosGiveScaleZeroAndZeros) {
     for (uint8_t c : codes) EXPECT_EQ(c, 0);
   }
   std::vector<float> out(16, 1.0f);
-  ASSERT_TRUE(Nvfp4FakeQuantize(x, 1.0f, Nvfp4Variant::kDefault,
-                                absl::MakeSpan(out)).ok());
+  ASSERT_TRUE(
+      Nvfp4FakeQuantize(x, 1.0f, Nvfp4Variant::kDefault, absl::MakeSpan(out))
+          .ok());
   for (float o : out) EXPECT_EQ(o, 0.0f);
 }
 
@@ -295,15 +302,18 @@ TEST(Nvfp4Block, BelowTheSmallestScaleReadsAsZeros) {
         Nvfp4QuantizeBlock(x.data(), 1.0f, Nvfp4Variant::kDefault, codes);
     EXPECT_EQ(b.scale_bits, 0) << amax;
     std::vector<float> out(16);
-    ASSERT_TRUE(Nvfp4FakeQuantize(x, 1.0f, Nvfp4Variant::kDefault,
-                                  absl::MakeSpan(out)).ok());
+    ASSERT_TRUE(
+        Nvfp4FakeQuantize(x, 1.0f, Nvfp4Variant::kDefault, absl::MakeSpan(out))
+            .ok());
     for (float o : out) EXPECT_EQ(o, 0.0f) << amax;
-    ExpectBlockMatchesReference(x.data(), 1.0f, Nvfp4Variant::kDefault, "below");
+    ExpectBlockMatchesReference(x.data(), 1.0f, Nvfp4Variant::kDefault,
+                                "below");
   }
   std::vector<float> x = Block({std::nextafter(edge, 1.0f)});
   uint8_t codes[16];
   EXPECT_EQ(Nvfp4QuantizeBlock(x.data(), 1.0f, Nvfp4Variant::kDefault, codes)
-                .scale_bits, 1);
+                .scale_bits,
+            1);
   // The same data is kept under a larger global scale (k_scale < 1).
   x = Block({0.005f, -0.0025f});
   const Nvfp4Block b = Nvfp4QuantizeBlock(x.data(), Nvfp4GlobalScale(0.01f),
@@ -332,7 +342,8 @@ TEST(Nvfp4Block, EverySubnormalScaleAndTheFirstNormal) {
   std::vector<float> x = Block({6.0f * 3 * std::ldexp(1.0f, -9)});
   std::vector<float> out(16);
   ASSERT_TRUE(Nvfp4FakeQuantize(x, 1.0f, Nvfp4Variant::kDefault,
-                                absl::MakeSpan(out), &counts).ok());
+                                absl::MakeSpan(out), &counts)
+                  .ok());
   EXPECT_EQ(counts.subnormal_scale, 1u);
   EXPECT_EQ(out[0], 6.0f * 3 * std::ldexp(1.0f, -9));
 }
@@ -341,7 +352,8 @@ TEST(Nvfp4Block, ScaleSaturatesAt448) {
   uint8_t codes[16];
   // amax 2688 = 6 * 448: the largest block scale, not saturated.
   std::vector<float> x = Block({2688.0f, -1344.0f});
-  Nvfp4Block b = Nvfp4QuantizeBlock(x.data(), 1.0f, Nvfp4Variant::kDefault, codes);
+  Nvfp4Block b =
+      Nvfp4QuantizeBlock(x.data(), 1.0f, Nvfp4Variant::kDefault, codes);
   EXPECT_EQ(b.scale_bits, 0x7e);
   EXPECT_FALSE(b.saturated);
   EXPECT_EQ(E2m1ToFloat(codes[0]), 6.0f);
@@ -359,7 +371,8 @@ TEST(Nvfp4Block, ScaleSaturatesAt448) {
     std::vector<float> out(16);
     Nvfp4RowCounts counts;
     ASSERT_TRUE(Nvfp4FakeQuantize(x, 1.0f, Nvfp4Variant::kDefault,
-                                  absl::MakeSpan(out), &counts).ok());
+                                  absl::MakeSpan(out), &counts)
+                    .ok());
     EXPECT_EQ(out[0], 2688.0f);
     EXPECT_EQ(out[2], -2688.0f);
     EXPECT_EQ(counts.saturated_scale, 1u);
@@ -395,7 +408,8 @@ TEST(Nvfp4Block, FourOverSixPicksTheSmallerErrorAndKeepsSixOnATie) {
   Nvfp4RowCounts counts;
   x = Block({6.0f, 4.5f});
   ASSERT_TRUE(Nvfp4FakeQuantize(x, 1.0f, Nvfp4Variant::kFourOverSix,
-                                absl::MakeSpan(out), &counts).ok());
+                                absl::MakeSpan(out), &counts)
+                  .ok());
   EXPECT_EQ(counts.max4, 1u);
   EXPECT_EQ(out[0], 6.0f);
   EXPECT_EQ(out[1], 4.5f);
@@ -411,16 +425,19 @@ TEST(Nvfp4Block, ScaleIsMaxTimesTheReciprocalOfSixNotMaxOverSix) {
     const float midpoint = static_cast<float>((table[i] + table[i + 1]) / 2);
     const float around = 6.0f * midpoint;
     for (int d = -64; d <= 64; ++d) {
-      const float amax = FromBits(static_cast<uint32_t>(
-          static_cast<int32_t>(Bits(around)) + d));
+      const float amax = FromBits(
+          static_cast<uint32_t>(static_cast<int32_t>(Bits(around)) + d));
       const uint8_t times = RefE4m3Bits(amax * (1.0f / 6.0f));
       const uint8_t over = RefE4m3Bits(amax / 6.0f);
       if (times == over) continue;
       ++differing;
       std::vector<float> x = Block({amax});
       uint8_t codes[16];
-      ASSERT_EQ(Nvfp4QuantizeBlock(x.data(), 1.0f, Nvfp4Variant::kDefault,
-                                   codes).scale_bits, times) << amax;
+      ASSERT_EQ(
+          Nvfp4QuantizeBlock(x.data(), 1.0f, Nvfp4Variant::kDefault, codes)
+              .scale_bits,
+          times)
+          << amax;
     }
   }
   EXPECT_GT(differing, 10);
@@ -433,14 +450,16 @@ TEST(Nvfp4Block, FourOverSixErrorIsSummedWithTheGpusFusedMultiplyAdds) {
   // Fused: both errors are 0.0546875 exactly, a tie that keeps max/6
   // (unfused, max/4's error rounds below).
   std::vector<float> x = Block({-1.125f, 3.5f, -1.875f, -0.5f});
-  EXPECT_FALSE(Nvfp4QuantizeBlock(x.data(), 1.0f, Nvfp4Variant::kFourOverSix,
-                                  codes).max4);
+  EXPECT_FALSE(
+      Nvfp4QuantizeBlock(x.data(), 1.0f, Nvfp4Variant::kFourOverSix, codes)
+          .max4);
   ExpectBlockMatchesReference(x.data(), 1.0f, Nvfp4Variant::kFourOverSix, "a");
   // Fused: max/6's error is 0.31250006, above max/4's 0.3125 (unfused, a
   // tie).
   x = Block({4.0f, -10.5f, 5.0f});
-  EXPECT_TRUE(Nvfp4QuantizeBlock(x.data(), 1.0f, Nvfp4Variant::kFourOverSix,
-                                 codes).max4);
+  EXPECT_TRUE(
+      Nvfp4QuantizeBlock(x.data(), 1.0f, Nvfp4Variant::kFourOverSix, codes)
+          .max4);
   ExpectBlockMatchesReference(x.data(), 1.0f, Nvfp4Variant::kFourOverSix, "b");
 }
 
@@ -468,11 +487,12 @@ TEST(Nvfp4Block, RandomBlocksMatchTheReferenceBitForBit) {
     if (trial % 3 == 1 && amax > 0) k_scale = amax / 448.0f;
     if (trial % 3 == 2) k_scale = std::exp2(log_scale(rng));
     const float gs = Nvfp4GlobalScale(k_scale);
-    for (Nvfp4Variant v : {Nvfp4Variant::kDefault, Nvfp4Variant::kFourOverSix}) {
+    for (Nvfp4Variant v :
+         {Nvfp4Variant::kDefault, Nvfp4Variant::kFourOverSix}) {
       std::vector<float> out(x.size());
       Nvfp4RowCounts counts;
-      ASSERT_TRUE(Nvfp4FakeQuantize(x, k_scale, v, absl::MakeSpan(out),
-                                    &counts).ok());
+      ASSERT_TRUE(
+          Nvfp4FakeQuantize(x, k_scale, v, absl::MakeSpan(out), &counts).ok());
       max4 += static_cast<int>(counts.max4);
       subnormal += static_cast<int>(counts.subnormal_scale);
       saturated += static_cast<int>(counts.saturated_scale);
@@ -510,10 +530,10 @@ TEST(Nvfp4FakeQuantize, RefusesBadShapesAndScalesWritingNothing) {
   status = Nvfp4FakeQuantize(x, 1.0f, Nvfp4Variant::kDefault,
                              absl::MakeSpan(out).subspan(0, 16));
   EXPECT_THAT(status.message(), HasSubstr("output has 16 values"));
-  for (float bad : {0.0f, -1.0f, NAN, INFINITY,
-                    std::numeric_limits<float>::denorm_min()}) {
-    status = Nvfp4FakeQuantize(x, bad, Nvfp4Variant::kDefault,
-                               absl::MakeSpan(out));
+  for (float bad :
+       {0.0f, -1.0f, NAN, INFINITY, std::numeric_limits<float>::denorm_min()}) {
+    status =
+        Nvfp4FakeQuantize(x, bad, Nvfp4Variant::kDefault, absl::MakeSpan(out));
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(status.message(), HasSubstr("checkpoint scale")) << bad;
   }
