@@ -209,9 +209,12 @@ def _token_nll(model, batches, blocks_from: int = 0):
     return np.concatenate(values), np.concatenate(blocks).astype(np.int64)
 
 
-def score(model, batches: list, candidates: List[Candidate], progress=None) -> dict:
+def score(model, batches: list, candidates: List[Candidate], progress=None,
+          kv_format: str = "fp8") -> dict:
     """Runs the reference and every candidate over the held-out `batches`;
-    fills delta, se, nll and evaluation. Returns {"reference_nll", "tokens"}."""
+    fills delta, se, nll and evaluation. Returns {"reference_nll", "tokens"}.
+    `kv_format` ("fp8", "nvfp4", "nvfp4_4over6"): the K/V cache emulated
+    (kvcal.torch.evaluate's; NVFP4 takes per-tensor K/V scales only)."""
     from kvcal import evaluate as ev
 
     with ev._eager(model):
@@ -224,7 +227,7 @@ def score(model, batches: list, candidates: List[Candidate], progress=None) -> d
             if c.same_as is not None:
                 continue
             q = ev._Quantizer(model, None if c.observer is None else c.scales, c.kv_only,
-                              False, True)
+                              False, True, kv_format)
             with ev._installed(model, q):
                 nll, _ = _token_nll(model, batches)
             if progress:
@@ -244,7 +247,8 @@ def score(model, batches: list, candidates: List[Candidate], progress=None) -> d
                 runs={"reference": reference,
                       "calibrated": ev.RunFigures(float(nll.mean()), int(nll.size)),
                       "ones": ones[0]},
-                options=_options(c.scales), label=c.label, scales=q.applied_scales())
+                options=_options(c.scales), label=c.label, scales=q.applied_scales(),
+                kv_format=kv_format)
         for c in candidates:
             if c.same_as is not None:
                 s = c.same_as

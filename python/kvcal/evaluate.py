@@ -26,6 +26,29 @@ FlashAttention-3 could use). `kv_only=True` leaves Q unquantized (an FP8 KV
 cache with a bf16 query); `quantize_probs=True` also rounds the softmax
 probabilities to e4m3 before P·V, as FA3's FP8 path does.
 
+K/V cache formats (`kv_format`): "fp8" (the above), "nvfp4" and
+"nvfp4_4over6", vLLM 0.34's NVFP4 KV caches (nvfp4_fake_quantize: blocks of
+16 values of a head, an e4m3 block scale e4m3(global_scale · max|x| · rcp(6))
+with global_scale = 1 / k_scale (resp. v_scale), values rounded to E2M1
+±{0, 0.5, 1, 1.5, 2, 3, 4, 6}; 4over6 also tries max/4 per block and keeps
+the smaller squared error; the same arithmetic as kernels/nvfp4.h, bit for
+bit). vLLM's store kernel reads one k_scale and one v_scale per layer, so
+NVFP4 takes per-tensor K/V scales only. Q and P: vLLM 0.34 serves an NVFP4
+cache with FlashInfer only. On SM100 (trtllm-gen) it quantizes the query to
+FP8 with q_scale (Attention.query_quant, per tensor or per KV head) and
+writes the attention output as FP8 e4m3 with unit scale before the copy back
+to bf16 (FlashInferImpl: "NVFP4 trtllm kernel only supports FP8 output";
+this evaluation does not round the output); on SM80/SM90/SM120 (FlashInfer
+FA2) the query stays in the model dtype (q_scale=1.0), the cache is written
+by FlashInfer's own quantizer, and only "nvfp4" is offered (no 4over6). So
+`kv_only=False` is the SM100 path and `kv_only=True` the FA2 path; how the
+probabilities are rounded inside FlashInfer's kernels is not visible in
+vLLM's source (`quantize_probs` stays the caller's choice). For NVFP4 the
+shares count values, not scales: saturated = values in blocks whose scale
+clipped at 448 (max|x| · global_scale > 2688), subnormal = values of
+non-zero blocks whose block scale is an e4m3 subnormal or 0 (below 2⁻⁶;
+at 0 the whole block reads as zeros).
+
 The attention runs in transformers' eager form (the model's implementation
 is switched to "eager" for the evaluation and back); batches are token id
 tensors [batch, tokens] or dicts with input_ids and attention_mask (padding
@@ -53,6 +76,112 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale clamped to ±448, rounded to e4m3fn, times scale (float32)."""
     x32 = x.float()
     return ((x32 / scale).clamp(-QMAX, QMAX).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+KV_FORMATS = ("fp8", "nvfp4", "nvfp4_4over6")
+NVFP4_BLOCK = 16
+_TINY = 2.0 ** -126  # float32's smallest normal
+
+
+def reciprocal_approximate_ftz(a: torch.Tensor) -> torch.Tensor:
+    """vLLM's reciprocal_approximate_ftz (PTX rcp.approx.ftz.f32) as
+    kernels/nvfp4.h emulates it: the correctly rounded float32 1/a, a zero or
+    subnormal input read as ±0 (±Inf out), a subnormal result flushed to ±0."""
+    a = a.float()
+    r = 1.0 / a
+    inf = torch.full_like(a, math.inf)
+    r = torch.where(a.abs() < _TINY, torch.copysign(inf, a), r)
+    return torch.where(r.abs() < _TINY, torch.copysign(torch.zeros_like(a), a), r)
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """cvt.rn.satfinite.e2m1x2.f32 as a value: nearest of ±{0, 0.5, 1, 1.5,
+    2, 3, 4, 6}, ties to the even code, ±6 beyond (vLLM's
+    round_to_nearest_e2m1)."""
+    ax = x.abs()
+    q = torch.full_like(ax, 6.0)
+    for bound, value, inclusive in ((5.0, 4.0, True), (3.5, 3.0, False), (2.5, 2.0, True),
+                                    (1.75, 1.5, False), (1.25, 1.0, True), (0.75, 0.5, False),
+                                    (0.25, 0.0, True)):
+        q = torch.where(ax <= bound if inclusive else ax < bound, torch.full_like(ax, value), q)
+    return torch.copysign(q, x)
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 fma(a, b, c), rounded once: the product is exact in float64,
+    the float64 sum is made round-to-odd (TwoSum's error term decides) so the
+    final rounding to float32 is correct."""
+    p = a.double() * b.double()
+    c = c.double()
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(s, math.inf), torch.full_like(s, -math.inf))
+    s = torch.where((err != 0) & even & torch.isfinite(s), torch.nextafter(s, toward), s)
+    return s.float()
+
+
+def _nvfp4_candidate(gs, vmax, denominator):
+    sf_value = gs * (vmax * reciprocal_approximate_ftz(
+        torch.tensor(denominator, dtype=torch.float32)))
+    sf = sf_value.to(torch.float8_e4m3fn).float()
+    out = torch.where(sf != 0, reciprocal_approximate_ftz(sf * reciprocal_approximate_ftz(gs)),
+                      torch.zeros_like(sf))
+    return sf, out, sf_value
+
+
+def _nvfp4_error(b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """nvfp4_reconstruction_error per block [n, 16] with nvcc's fused
+    multiply-adds, pairs summed in order."""
+    o = out[:, None]
+    dq = torch.where(out != 0, reciprocal_approximate_ftz(out), torch.zeros_like(out))[:, None]
+    q = e2m1_round(b * o)
+    d = _fma32(q, dq.expand_as(q), -b)
+    zero = (out == 0)[:, None]
+    d = torch.where(zero, b, d)  # a zero scale sums x² (fma(x0, x0, x1 * x1))
+    error = torch.zeros_like(out)
+    for i in range(0, NVFP4_BLOCK, 2):
+        d0, d1 = d[:, i], d[:, i + 1]
+        error = error + _fma32(d0, d0, d1 * d1)
+    return error
+
+
+def nvfp4_fake_quantize(x: torch.Tensor, scale, four_over_six: bool = False,
+                        return_blocks: bool = False):
+    """What vLLM 0.34's NVFP4 KV cache reads back for `x` (last dimension a
+    multiple of 16, blocks of 16 along it) under the checkpoint scale `scale`
+    (k_scale or v_scale, one float): e2m1 · e4m3 block scale · scale, float32,
+    returned in x's dtype. `return_blocks` also returns per block [..., dim/16]
+    the block scale (float), whether it saturated and whether 4over6 chose
+    max/4."""
+    if x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"kvcal.evaluate: NVFP4 needs a last dimension divisible by 16 "
+                         f"(vLLM requires head_size % 16 == 0), got {x.shape[-1]}")
+    k_scale = torch.as_tensor(scale, dtype=torch.float32).reshape(-1)
+    if k_scale.numel() != 1:
+        raise ValueError("kvcal.evaluate: NVFP4 takes one checkpoint scale per tensor, got "
+                         f"{k_scale.numel()}")
+    k_scale = k_scale[0].to(x.device)
+    gs = 1.0 / k_scale
+    if not (math.isfinite(float(k_scale)) and float(k_scale) > 0 and math.isfinite(float(gs))):
+        raise ValueError(f"kvcal.evaluate: NVFP4 checkpoint scale {float(k_scale)} is not finite "
+                         "and > 0 with a finite reciprocal")
+    b = x.float().reshape(-1, NVFP4_BLOCK)
+    vmax = b.abs().nan_to_num(nan=0.0, posinf=math.inf).amax(dim=1)
+    sf, out, sf_value = _nvfp4_candidate(gs, vmax, 6.0)
+    max4 = torch.zeros_like(vmax, dtype=torch.bool)
+    if four_over_six:
+        sf4, out4, sf_value4 = _nvfp4_candidate(gs, vmax, 4.0)
+        max4 = _nvfp4_error(b, out4) < _nvfp4_error(b, out)
+        sf, out = torch.where(max4, sf4, sf), torch.where(max4, out4, out)
+        sf_value = torch.where(max4, sf_value4, sf_value)
+    q = e2m1_round(b * out[:, None])
+    y = ((q * sf[:, None]) * k_scale).reshape(x.shape).to(x.dtype)
+    if not return_blocks:
+        return y
+    shape = x.shape[:-1] + (x.shape[-1] // NVFP4_BLOCK,)
+    return y, sf.reshape(shape), (sf_value > QMAX).reshape(shape), max4.reshape(shape)
 
 
 def _head_scales(scales, layer: int, role: str, heads: int, kv_heads: int,
@@ -126,6 +255,9 @@ class Evaluation:
     # The scales applied, per role [layers, heads] (q per query head, after
     # any reduction per KV group); NaN where a role had no scale.
     scales: Dict[str, np.ndarray] = field(default_factory=dict)
+    # The K/V cache format emulated: fp8, nvfp4 or nvfp4_4over6 (Q, when
+    # quantized, is FP8 in all three).
+    kv_format: str = "fp8"
 
     def delta_nll(self, run: str = "calibrated") -> float:
         return self.runs[run].nll - self.runs["reference"].nll
@@ -134,6 +266,7 @@ class Evaluation:
         r = self.runs
         lines = [f"{self.observer} per {self.granularity}"
                  f"{', K/V only' if self.kv_only else ''}"
+                 f"{', K/V ' + self.kv_format if self.kv_format != 'fp8' else ''}"
                  f"{', FP8 probabilities' if self.quantize_probs else ''}: "
                  f"attention error {100 * float(np.mean(self.attention_error)):.2f}% mean, "
                  f"{100 * float(np.max(self.attention_error)):.2f}% worst head; "
@@ -151,7 +284,10 @@ class Evaluation:
             "granularity": self.granularity, "observer": self.observer,
             "kv_only": self.kv_only, "quantize_probs": self.quantize_probs,
             "q_per_kv_group": self.q_per_kv_group,
-            "options": self.options, "label": self.label,
+            "options": self.options,
+            "label": self.label or (f"{self.observer}, K/V {self.kv_format}"
+                                    if self.kv_format != "fp8" else ""),
+            "kv_format": self.kv_format,
             "attention_error": arr(self.attention_error),
             "attention_error_ones": arr(self.attention_error_ones),
             "saturation": {k: arr(v) for k, v in self.saturation.items()},
@@ -176,8 +312,14 @@ class _Quantizer:
     """Replaces the eager attention of every layer while active: fake-quantizes
     q/k/v with per-head scales and accumulates the error figures."""
 
-    def __init__(self, model, scales, kv_only, quantize_probs, q_per_kv_group):
+    def __init__(self, model, scales, kv_only, quantize_probs, q_per_kv_group,
+                 kv_format="fp8"):
         from kvcal.client import check_attention
+
+        if kv_format not in KV_FORMATS:
+            raise ValueError(f"kvcal.evaluate: kv_format {kv_format!r} is not one of "
+                             f"{', '.join(KV_FORMATS)}")
+        self.kv_format = kv_format
 
         check_attention(model.config)  # ValueError naming the config key
         c = model.config
@@ -190,6 +332,13 @@ class _Quantizer:
                 n = self.heads if role == "q" else self.kv_heads
                 self.scales[(layer, role)] = _head_scales(scales, layer, role, n, self.kv_heads,
                                                           q_per_kv_group)
+        if kv_format != "fp8":
+            for (layer, role), sc in self.scales.items():
+                if role != "q" and sc is not None and bool((sc != sc.reshape(-1)[0]).any()):
+                    raise ValueError(
+                        f"kvcal.evaluate: {kv_format} takes one {role}_scale per layer (vLLM "
+                        f"0.34's NVFP4 store kernel reads a single value); layer {layer} has "
+                        "different scales per head")
         self.kv_only = kv_only
         self.quantize_probs = quantize_probs
         self.mask2d = None
@@ -217,6 +366,23 @@ class _Quantizer:
                 quantized[role] = x
                 continue
             s = s.to(x.device)  # the model may run on a GPU
+            if role != "q" and self.kv_format != "fp8":
+                y, sf, sat, _ = nvfp4_fake_quantize(x, s.reshape(-1)[:1],
+                                                    self.kv_format == "nvfp4_4over6",
+                                                    return_blocks=True)
+                # Per block [batch, heads, tokens, dim / 16] -> kept tokens.
+                live = x.float().abs().reshape(sf.shape + (NVFP4_BLOCK,)).amax(-1) > 0
+                pick = lambda t: t[:, :, -q.shape[2]:].transpose(1, 2)[keep]  # noqa: E731
+                sf, sat, live = pick(sf), pick(sat), pick(live)  # [n, heads, blocks]
+                self.count[role][layer] += sf.shape[0] * sf.shape[2] * NVFP4_BLOCK
+                self.sat[role][layer] += NVFP4_BLOCK * sat.sum(dim=(0, 2)).cpu().numpy()
+                self.sub[role][layer] += NVFP4_BLOCK * (live & (sf < MIN_NORMAL)).sum(
+                    dim=(0, 2)).cpu().numpy()
+                self.amax[role][layer] = np.maximum(
+                    self.amax[role][layer], pick(x.float().abs()).amax(dim=(0, 2)).cpu().numpy()
+                    if sf.shape[0] else 0.0)
+                quantized[role] = y
+                continue
             t = (x.float() / s).abs()[:, :, -q.shape[2]:].transpose(1, 2)[keep]  # [n, heads, dim]
             self.count[role][layer] += t.shape[0] * t.shape[2]
             self.sat[role][layer] += (t > SATURATED).sum(dim=(0, 2)).cpu().numpy()
@@ -316,28 +482,36 @@ def _nll(model, batches) -> RunFigures:
 def evaluate(model, scales, batches: Iterable, *, kv_only: bool = False,
              quantize_probs: bool = False, q_per_kv_group: bool = True,
              reference: Optional[RunFigures] = None,
-             ones: Optional["Evaluation"] = None) -> Evaluation:
+             ones: Optional["Evaluation"] = None, kv_format: str = "fp8") -> Evaluation:
     """Measures FP8 Q/K/V under `scales` (a kvcal.Scales or any mapping of
     checkpoint scale names to arrays) on `batches`; see the module docs.
     Pass `reference` (a previous result's runs["reference"]) to skip the
     unquantized run on the same batches, and `ones` (a previous result on the
-    same batches with the same kv_only and quantize_probs) to reuse its
-    scale-1.0 run."""
+    same batches with the same kv_only, quantize_probs and kv_format) to reuse
+    its scale-1.0 run. `kv_format`: "fp8", "nvfp4" or "nvfp4_4over6" for K
+    and V (module docs)."""
     batches = list(batches)
-    if ones is not None and (ones.kv_only, ones.quantize_probs) != (kv_only, quantize_probs):
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kvcal.evaluate: kv_format {kv_format!r} is not one of "
+                         f"{', '.join(KV_FORMATS)}")
+    if ones is not None and (ones.kv_only, ones.quantize_probs, ones.kv_format) != (
+            kv_only, quantize_probs, kv_format):
         raise ValueError(f"kvcal.evaluate: `ones` was measured with kv_only={ones.kv_only}, "
-                         f"quantize_probs={ones.quantize_probs}; this run has kv_only={kv_only}, "
-                         f"quantize_probs={quantize_probs}")
+                         f"quantize_probs={ones.quantize_probs}, kv_format={ones.kv_format}; "
+                         f"this run has kv_only={kv_only}, quantize_probs={quantize_probs}, "
+                         f"kv_format={kv_format}")
     runs: Dict[str, RunFigures] = {}
     with _eager(model):
         if reference is None:
             reference = _nll(model, batches)
         runs["reference"] = reference
-        calibrated = _Quantizer(model, scales, kv_only, quantize_probs, q_per_kv_group)
+        calibrated = _Quantizer(model, scales, kv_only, quantize_probs, q_per_kv_group,
+                                kv_format)
         with _installed(model, calibrated):
             runs["calibrated"] = _nll(model, batches)
         if ones is None:
-            at_one = _Quantizer(model, None, kv_only, quantize_probs, q_per_kv_group)
+            at_one = _Quantizer(model, None, kv_only, quantize_probs, q_per_kv_group,
+                                kv_format)
             with _installed(model, at_one):
                 runs["ones"] = _nll(model, batches)
             sat1, sub1, err1 = at_one.shares()
@@ -355,7 +529,7 @@ def evaluate(model, scales, batches: Iterable, *, kv_only: bool = False,
         quantize_probs=quantize_probs, q_per_kv_group=q_per_kv_group,
         attention_error=err, attention_error_ones=err1, saturation=sat, subnormal=sub,
         saturation_ones=sat1, subnormal_ones=sub1, absmax=calibrated.amax, runs=runs,
-        options=options, scales=calibrated.applied_scales())
+        options=options, scales=calibrated.applied_scales(), kv_format=kv_format)
 
 
 def rescale_keys(model, alpha: float):
