@@ -296,3 +296,24 @@ def test_evaluate_with_an_nvfp4_cache():
         kvcal.torch.evaluate(model, per_head, data, kv_format="nvfp4")
     with pytest.raises(ValueError, match="kv_format=nvfp4"):
         kvcal.torch.evaluate(model, ones, data, kv_only=True, ones=fp8, kv_format="nvfp4")
+
+
+def test_calibrate_select_scores_an_nvfp4_cache():
+    from types import SimpleNamespace
+
+    from kvcal import calibrate_select
+    from kvcal.calibrate_data import Batch
+
+    model = tiny_llama(num_kv_heads=2)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 12), generator=g)
+    data = [Batch(ids, torch.ones_like(ids), 24)]
+    geometry = SimpleNamespace(num_layers=2)
+    deltas = {}
+    for kv_format in ("fp8", "nvfp4"):
+        c = calibrate_select.Candidate(None, "one", True, calibrate_select.ones_scales(geometry),
+                                       origin="scale 1.0")
+        calibrate_select.score(model, data, [c], kv_format=kv_format)
+        assert c.evaluation.kv_format == kv_format
+        deltas[kv_format] = c.evaluation.attention_error
+    assert np.all(deltas["nvfp4"] > deltas["fp8"])
