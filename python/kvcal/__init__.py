@@ -22,7 +22,8 @@ import importlib
 # `kvcal-worker` (kvcal._binaries) start without loading grpc and numpy.
 _LAZY = {"Client": "kvcal.client", "Geometry": "kvcal.client", "KvcalError": "kvcal.client",
          "DEFAULT_HISTOGRAMS": "kvcal.client", "Producer": "kvcal.producer",
-         "ProducerError": "kvcal.producer", "Scales": "kvcal.scales",
+         "ProducerError": "kvcal.producer", "WorkerProducer": "kvcal.producer",
+         "ShardedProducer": "kvcal.producer", "Scales": "kvcal.scales",
          # kvcal-calibrate as a function (torch is imported when it runs)
          "calibrate_model": "kvcal.calibrate", "CalibrationResult": "kvcal.calibrate"}
 
@@ -43,8 +44,8 @@ def _version():
 
 
 __version__ = _version()
-__all__ = ["Client", "Geometry", "KvcalError", "Producer", "ProducerError", "Scales",
-           "DEFAULT_HISTOGRAMS"]
+__all__ = ["Client", "Geometry", "KvcalError", "Producer", "ProducerError", "WorkerProducer",
+           "ShardedProducer", "Scales", "DEFAULT_HISTOGRAMS"]
 
 
 def __getattr__(name):  # the API above, and kvcal.torch / kvcal.vllm, on first use

@@ -408,7 +408,7 @@ class _Journal:
 
 
 def _resolve_observers(spec: str) -> List[str]:
-    from kvcal.client import _OBSERVER_ALIASES, OBSERVERS, _resolve
+    from kvcal.names import resolve_observer
 
     if spec.strip().lower() == "auto":
         return list(select.OBSERVER_ORDER)
@@ -417,7 +417,7 @@ def _resolve_observers(spec: str) -> List[str]:
         if not part.strip():
             continue
         try:
-            name = _resolve(part.strip(), OBSERVERS, _OBSERVER_ALIASES, "observer")
+            name = resolve_observer(part.strip())
         except ValueError:
             raise UsageError(f"--observer {part.strip()}: not one of auto, "
                              f"{', '.join(select.OBSERVER_ORDER)}") from None

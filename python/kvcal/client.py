@@ -20,49 +20,16 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 import grpc
 import numpy as np
 
-from kvcal import _args
+from kvcal import _args, names
 from kvcal.scales import Scales
 from kvcal.sharding import expand_endpoints, layer_owner, layer_owners
 from kvcal.v1 import pb, pb_grpc
 
 
-def _names(enum_name: str) -> Dict[str, int]:
-    """Canonical name -> wire number for one enum, from the one names table:
-    the (canonical_name) options in proto/kvcal/v1/calibration.proto, which
-    the C++ CLI and the worker read too (proto/names.h)."""
-    enum = pb.DESCRIPTOR.enum_types_by_name[enum_name]
-    return {_canonical(v): v.number for v in enum.values if v.number != 0}
-
-
-def _canonical(value) -> str:
-    options = value.GetOptions()
-    return options.Extensions[pb.canonical_name] or value.name
-
-
-def _spellings(enum_name: str) -> Dict[str, str]:
-    """Every accepted spelling (normalised: lower case, '_' for '-') ->
-    canonical name: canonical, CLI name, aliases and the proto value name."""
-    out: Dict[str, str] = {}
-    for v in pb.DESCRIPTOR.enum_types_by_name[enum_name].values:
-        if v.number == 0:
-            continue
-        options = v.GetOptions()
-        names = [_canonical(v), options.Extensions[pb.cli_name], v.name,
-                 *options.Extensions[pb.alias]]
-        for n in names:
-            if n:
-                out[n.lower().replace("-", "_")] = _canonical(v)
-    return out
-
-
-# llm-compressor's observer names (what the scales file and config.json
-# record) and the other names of each value, all from the proto's table.
-OBSERVERS = _names("Observer")
-GRANULARITIES = _names("Granularity")
-FORMATS = _names("Format")
-_OBSERVER_ALIASES = _spellings("Observer")
-_GRANULARITY_ALIASES = _spellings("Granularity")
-_FORMAT_ALIASES = _spellings("Format")
+# The enum names (kvcal.names; kvcal.client.OBSERVERS etc. as before).
+OBSERVERS = names.OBSERVERS
+GRANULARITIES = names.GRANULARITIES
+FORMATS = names.FORMATS
 
 # The CLI and the Python client default to 64 bins per octave (docs/wire-contract.md).
 DEFAULT_HISTOGRAMS = 64
@@ -82,7 +49,7 @@ class KvcalError(RuntimeError):
 # rules): refused with the config key that says so, never read as ordinary
 # attention. vLLM 0.34 caches one compressed latent per token for MLA, not
 # per-head K and V.
-_MLA = "DeepSeek-style multi-head latent attention (kv_lora_rank) is not supported yet"
+MLA_NOT_SUPPORTED = "DeepSeek-style multi-head latent attention (kv_lora_rank) is not supported yet"
 _MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_mtp", "kimi_k2",
                     "kimi_linear", "glm4_moe_lite", "glm_moe_dsa", "axk1", "longcat_flash",
                     "mistral_large_4", "pangu_ultra_moe")
@@ -102,10 +69,10 @@ def attention_problem(config: Mapping) -> Optional[str]:
     """Why kvcal cannot calibrate the attention `config` (a config.json dict)
     describes, naming the key; None for ordinary attention."""
     if _set(config, "kv_lora_rank"):
-        return f"kv_lora_rank {config['kv_lora_rank']}: {_MLA}"
+        return f"kv_lora_rank {config['kv_lora_rank']}: {MLA_NOT_SUPPORTED}"
     # (An explicit null kv_lora_rank is no latent: the checks below decide.)
     if "kv_lora_rank" not in config and config.get("model_type") in _MLA_MODEL_TYPES:
-        return f"model_type {config['model_type']!r}: {_MLA}"
+        return f"model_type {config['model_type']!r}: {MLA_NOT_SUPPORTED}"
     for key in ("qk_rope_head_dim", "qk_nope_head_dim"):
         if _set(config, key):
             return (f"{key}: attention with separate RoPE and non-RoPE query/key parts "
@@ -227,14 +194,6 @@ class Geometry:
                                  f"num_attention_heads {heads} and there is no head_dim")
             head_dim = hidden // heads
         return cls(layers, heads, kv_heads, head_dim)
-
-
-def _resolve(name: str, table: Mapping[str, int], aliases: Mapping[str, str], what: str) -> str:
-    key = str(name).lower().replace("-", "_")  # the CLI spells them with hyphens
-    key = aliases.get(key, key)  # every spelling -> the canonical name
-    if key not in table:
-        raise ValueError(f"kvcal: unknown {what} {name!r} (one of {', '.join(table)})")
-    return key
 
 
 def _role_name(role: int) -> str:
@@ -714,9 +673,9 @@ class Client:
                                        _args.MSE_PATIENCE)
         layers = [_args.check_int("finalize", "layers[]", l, _args.IntRange(0, (1 << 32) - 1))
                   for l in layers]
-        observer = _resolve(observer, OBSERVERS, _OBSERVER_ALIASES, "observer")
-        granularity = _resolve(granularity, GRANULARITIES, _GRANULARITY_ALIASES, "granularity")
-        fmt = _resolve(fmt, FORMATS, _FORMAT_ALIASES, "format")
+        observer = names.resolve_observer(observer)
+        granularity = names.resolve_granularity(granularity)
+        fmt = names.resolve_format(fmt)
         request = pb.FinalizeRequest(
             session_id=session_id, granularity=GRANULARITIES[granularity],
             observer=OBSERVERS[observer], format=FORMATS[fmt],
@@ -725,7 +684,6 @@ class Client:
             mse_patience=mse_patience, q_per_kv_group=q_per_kv_group,
             allow_missing=allow_missing, layers=list(layers), evaluate=evaluate,
             evaluate_kv_only=evaluate_kv_only, auto_per_session=auto_per_session,
-            auto_granularities=[GRANULARITIES[_resolve(g, GRANULARITIES, _GRANULARITY_ALIASES,
-                                                       "granularity")]
+            auto_granularities=[GRANULARITIES[names.resolve_granularity(g)]
                                 for g in auto_granularities])
         return request, observer, granularity, fmt

@@ -10,6 +10,11 @@
     # leaving the block flushes: every chunk is applied (and durable, when
     # the worker persists) or an error is raised
 
+kvcal.Producer(client, ...) is a factory: for a client of one worker it
+returns a WorkerProducer (one Ingest stream), for a client of several a
+ShardedProducer, which holds one WorkerProducer per worker and puts each
+layer's chunks on the worker that holds it. Both have the methods below.
+
 Held-out batches (for Finalize's evaluate and the auto observer): set
 `producer.holdout = True` (or pass holdout=True to put()); chunks put while
 it is set are sent as held out, and the worker keeps them whole instead of
@@ -20,7 +25,9 @@ are split only into whole sequences and head ranges, never by tokens.
 
 put() numbers the chunks (sequence 1, 2, ... per producer), splits tensors
 larger than chunk_bytes along whole rows, and returns at once: a background
-thread streams them over one Ingest stream. put() blocks only while the
+thread streams them over one Ingest stream. Its sender sleeps on one
+condition until there is something to do: a chunk put, an acknowledgement
+that opens the window, close(), an error. put() blocks only while the
 producer holds max_pending_chunks / max_pending_bytes not yet released.
 
 Exactly once across failures: when the stream breaks (worker restarted,
@@ -64,30 +71,25 @@ import mmap
 import os
 import threading
 import time
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Deque, List, Optional, Tuple, Union
 
 import grpc
 import numpy as np
 
-from kvcal import _args
-from kvcal.client import Client, KvcalError, _names, _spellings
+from kvcal import _args, names
+from kvcal.client import Client, KvcalError
 from kvcal.v1 import pb
 
 log = logging.getLogger("kvcal")
 
-
-
-def _table(enum_name: str):
-    """Every spelling of the enum's values (the proto's names table) and the
-    wire numbers themselves -> wire number."""
-    numbers = _names(enum_name)
-    table = {spelling: numbers[name] for spelling, name in _spellings(enum_name).items()}
-    table.update({n: n for n in numbers.values()})
-    return table
-
-
-_ROLES = _table("Role")
-_LAYOUTS = _table("Layout")
+# Every spelling of a role or layout (the proto's names table) and the wire
+# numbers themselves -> wire number.
+_ROLES = names.wire_numbers("Role")
+_LAYOUTS = names.wire_numbers("Layout")
+# How often a producer that waits only for durability asks the worker for
+# its durable watermark (GetSession): the worker snapshots on its own clock
+# and sends no response for it while nothing is being sent.
+_DURABLE_POLL_S = 0.2
 # The protocol the C++ Uploader follows too (docs/producers.md): chunks in
 # flight without an acknowledgement, and the codes after which the stream is
 # re-established and resent from the watermark; anything else is an error
@@ -373,17 +375,10 @@ def _cut(shape: Tuple[int, ...], layout: int, itemsize: int, chunk_bytes: int,
                     yield [1, 1, n, dim], h, begin, begin + n * row
 
 
-class Producer:
-    """Streams chunks to one session as one producer; see the module docs.
-
-    With a client of several workers, Producer(client) is a _ShardedProducer:
-    one producer stream per worker, each layer's chunks to the worker that
-    holds it (numbered per worker, as the C++ client does)."""
-
-    def __new__(cls, client: Client, *args, **kwargs):
-        if cls is Producer and getattr(client, "workers", None) is not None:
-            return super().__new__(_ShardedProducer)
-        return super().__new__(cls)
+class WorkerProducer:
+    """Streams chunks to one session on one worker as one producer; see the
+    module docs. kvcal.Producer(client) returns one for a client of one
+    worker; a ShardedProducer holds one per worker."""
 
     def __init__(self, client: Client, session_id: Optional[str] = None, producer_id: str = "",
                  *, chunk_bytes: int = 4 << 20, max_pending_chunks: int = 1024,
@@ -396,6 +391,11 @@ class Producer:
                        max_pending_bytes=max_pending_bytes, window=window,
                        start_sequence=start_sequence, reconnect_timeout=reconnect_timeout,
                        durable_timeout=durable_timeout)
+        workers = getattr(client, "workers", None)
+        if workers is not None:
+            raise ValueError(f"kvcal: a WorkerProducer streams to one worker and this client has "
+                             f"{len(workers)}; use kvcal.Producer(client), which returns a "
+                             f"ShardedProducer for it")
         self.client = client
         self.session_id = session_id or client._session(None)
         self.producer_id = producer_id or "default"
@@ -423,6 +423,9 @@ class Producer:
             except OSError as e:
                 self._shm_fall_back(f"cannot create shared memory: {e}")
 
+        # One condition for all of the state below: notified on every change
+        # a waiter may wait for (a chunk put, an acknowledgement or durable
+        # watermark that releases chunks, close, an error, a stream's end).
         self._cv = threading.Condition()
         self._chunks: Deque[_Chunk] = collections.deque()  # unreleased, in order
         self._held_bytes = 0
@@ -522,33 +525,37 @@ class Producer:
                 self._next_sequence += 1
                 self._chunks.append(chunk)
                 self._held_bytes += chunk.nbytes
-                self._cv.notify_all()
+                self._cv.notify_all()  # the sender: new data
 
     def flush(self, durable: Optional[bool] = None, timeout: Optional[float] = None) -> None:
         """Waits until every chunk put so far is applied; with durable=True
         (default: when chunks are kept until durable) until it is on disk."""
         last = self.last_sequence
         deadline = None if timeout is None else time.monotonic() + timeout
-        acked_at = None  # when everything was acknowledged, only durability missing
+        durable_deadline = None  # set once everything is acknowledged
         while True:
             with self._cv:
                 self._raise_if_failed_locked()
                 want_durable = self._want_durable() if durable is None else durable
                 if self._acked >= last and (not want_durable or self._durable >= last):
                     return
-                if self._acked >= last:
-                    acked_at = acked_at or time.monotonic()
-                    if time.monotonic() - acked_at > self.durable_timeout:
+                now = time.monotonic()
+                only_durability = self._acked >= last
+                if only_durability:
+                    durable_deadline = durable_deadline or now + self.durable_timeout
+                    if now > durable_deadline:
                         raise ProducerError(self._not_durable_message_locked(last))
                 else:
-                    acked_at = None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                    durable_deadline = None
+                if deadline is not None and now >= deadline:
                     raise TimeoutError(f"kvcal: flush: acknowledged {self._acked}, durable "
                                        f"{self._durable} of {last} chunks")
-                poll = self._acked >= last  # only durability is missing: ask the worker
-                self._cv.wait(0.2 if remaining is None else min(0.2, remaining))
-            if poll:
+                # Acknowledgements and errors notify; durability is asked for.
+                wait = _DURABLE_POLL_S if only_durability else None
+                if deadline is not None:
+                    wait = deadline - now if wait is None else min(wait, deadline - now)
+                self._cv.wait(wait)
+            if only_durability:
                 self._poll_durable()
 
     def _poll_durable(self) -> None:
@@ -579,27 +586,32 @@ class Producer:
         finally:
             with self._cv:
                 self._closing = True
-                self._cv.notify_all()
+                self._cv.notify_all()  # the sender half-closes the stream
             self._thread.join()
             self._close_ring()
         with self._cv:
             self._raise_if_failed_locked()
 
-    def __enter__(self) -> "Producer":
+    def abandon(self, why: str = "kvcal: producer abandoned after an error") -> None:
+        """Stops without flushing: what is not applied yet is dropped, and
+        put(), flush() and close() raise ProducerError(why) from now on."""
+        with self._cv:
+            self._closing = True
+            if self._error is None:
+                self._error = ProducerError(why)
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._close_ring()
+
+    def __enter__(self) -> "WorkerProducer":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
         else:  # do not hide the original error behind a flush
-            with self._cv:
-                self._closing = True
-                if self._error is None:
-                    self._error = ProducerError("kvcal: producer abandoned after an error")
-                self._cv.notify_all()
-            self._thread.join(timeout=5)
-            if not self._thread.is_alive():
-                self._close_ring()
+            self.abandon()
 
     def stats(self) -> dict:
         with self._cv:
@@ -618,8 +630,7 @@ class Producer:
             raise ProducerError(str(self._error)) from self._error
 
     def _wait_for_room_locked(self, nbytes: int) -> None:
-        waited = 0
-        acked_at = None  # since when every held chunk is acknowledged, not durable
+        durable_deadline = None  # set once every held chunk is acknowledged
         while True:
             self._raise_if_failed_locked()
             if self._closing:
@@ -632,16 +643,19 @@ class Producer:
                 self._release_locked(self._acked)
                 if self._has_room_locked(nbytes):
                     return
-            if self._chunks and self._acked >= self._chunks[-1].sequence:
-                acked_at = acked_at or time.monotonic()
-                if time.monotonic() - acked_at > self.durable_timeout:
-                    raise ProducerError(self._not_durable_message_locked(self._chunks[-1].sequence))
-            else:
-                acked_at = None
-            self._cv.wait(0.2)
-            waited += 1
-            if waited % 5 == 0 and self._want_durable():
-                # Full of acknowledged chunks waiting to become durable.
+            if not (self._chunks and self._acked >= self._chunks[-1].sequence):
+                # Chunks in flight: their acknowledgements (and the durable
+                # watermark they carry) release chunks and notify.
+                durable_deadline = None
+                self._cv.wait()
+                continue
+            # Full of acknowledged chunks waiting to become durable.
+            now = time.monotonic()
+            durable_deadline = durable_deadline or now + self.durable_timeout
+            if now > durable_deadline:
+                raise ProducerError(self._not_durable_message_locked(self._chunks[-1].sequence))
+            self._cv.wait(_DURABLE_POLL_S)
+            if self._want_durable():
                 self._cv.release()
                 try:
                     self._poll_durable()
@@ -660,7 +674,7 @@ class Producer:
     def _release_locked(self, upto: int) -> None:
         while self._chunks and self._chunks[0].sequence <= upto:
             self._held_bytes -= self._chunks.popleft().nbytes
-        self._cv.notify_all()
+        self._cv.notify_all()  # put() waiting for room; the sender: a new window
 
     def _release_point_locked(self) -> int:
         # None and no durable watermark seen yet: kept while there is room
@@ -750,6 +764,8 @@ class Producer:
             return applied + 1
 
     def _run(self) -> None:
+        """The stream thread: one Ingest stream after another until closed
+        or failed; reconnects after a retryable error."""
         failing_since: Optional[float] = None
         backoff = 0.05
         while True:
@@ -793,7 +809,8 @@ class Producer:
                         self.client.relocate()
                     except Exception as relocate_error:  # looking is best effort
                         log.info("kvcal: looking for a moved worker: %s", relocate_error)
-                time.sleep(backoff)
+                with self._cv:  # the backoff, cut short by abandon()
+                    self._cv.wait_for(lambda: self._error is not None, backoff)
                 backoff = min(backoff * 2, 2.0)
                 self.reconnects += 1
             except BaseException as e:  # a bug or an unusable tensor: stop loudly
@@ -804,76 +821,64 @@ class Producer:
         """One Ingest stream: sends from `start`, applies responses. Returns
         when closing and everything sent is acknowledged (and durable if
         wanted); raises grpc.RpcError when the stream breaks."""
-        stop = threading.Event()
-
-        def requests():
-            sequence = start
-            while True:
-                with self._cv:
-                    while True:
-                        if stop.is_set() or self._error is not None:
-                            return
-                        if sequence <= self._acked:
-                            # Acknowledged meanwhile (e.g. an earlier stream's
-                            # chunks applied after this one resumed): skip.
-                            sequence = self._acked + 1
-                            continue
-                        if sequence < self._next_sequence and sequence - self._acked <= self.window:
-                            first = self._chunks[0].sequence if self._chunks else self._next_sequence
-                            if sequence < first:
-                                self._error = self._error or ProducerError(
-                                    f"kvcal: producer {self.producer_id}: chunk {sequence} must be "
-                                    f"sent but was already released (kept from {first})")
-                                self._cv.notify_all()
-                                return
-                            chunk = self._chunks[sequence - first]
-                            break
-                        if self._closing and sequence >= self._next_sequence:
-                            return
-                        self._cv.wait(0.5)
-                try:
-                    try:
-                        request = chunk.request(self.session_id, self.producer_id, self._ring)
-                    except _SharedMemoryFull as e:
-                        # This chunk and the rest in-band.
-                        self._shm_fall_back(str(e), in_flight=True)
-                        request = chunk.request(self.session_id, self.producer_id, None)
-                    if self.client.shard_worker_ids:
-                        request.shard_worker_ids.extend(self.client.shard_worker_ids)
-                except BaseException as e:  # e.g. a failed device copy
-                    self._fail(ProducerError(f"kvcal: chunk {chunk.sequence}: {e}"))
-                    return
-                yield request
-                sequence += 1
-
-        call = self.client.stub.Ingest(requests(), metadata=self.client.metadata)
+        sender = _Sender(self, start)
+        call = self.client.stub.Ingest(iter(sender), metadata=self.client.metadata)
         try:
             for response in call:
                 self._progress = True
-                with self._cv:
-                    self._acked = max(self._acked, response.watermark)
-                    if response.durable_watermark > 0:
-                        self._seen_durable = True
-                        self._durable = max(self._durable, response.durable_watermark)
-                    self._release_locked(self._release_point_locked())
+                self._apply_response(response)
         finally:
-            stop.set()
-            with self._cv:
-                self._cv.notify_all()
-        # The stream ended cleanly: we half-closed because we are closing.
-        # Wait for durability by polling (the worker snapshots on its own clock).
+            sender.end()
+        # The stream ended cleanly: the sender half-closed it (closing, or failed).
+        self._await_durable_after_stream()
+
+    def _apply_response(self, response: pb.IngestResponse) -> None:
+        with self._cv:
+            self._acked = max(self._acked, response.watermark)
+            if response.durable_watermark > 0:
+                self._seen_durable = True
+                self._durable = max(self._durable, response.durable_watermark)
+            self._release_locked(self._release_point_locked())
+
+    def _request(self, chunk: _Chunk) -> Optional[pb.IngestRequest]:
+        """The IngestRequest of `chunk` (by shared-memory reference when the
+        ring takes it); None after recording the error when it cannot be
+        made."""
+        try:
+            try:
+                request = chunk.request(self.session_id, self.producer_id, self._ring)
+            except _SharedMemoryFull as e:
+                # This chunk and the rest in-band.
+                self._shm_fall_back(str(e), in_flight=True)
+                request = chunk.request(self.session_id, self.producer_id, None)
+            if self.client.shard_worker_ids:
+                request.shard_worker_ids.extend(self.client.shard_worker_ids)
+            return request
+        except BaseException as e:  # e.g. a failed device copy
+            self._fail(ProducerError(f"kvcal: chunk {chunk.sequence}: {e}"))
+            return None
+
+    def _await_durable_after_stream(self) -> None:
+        """After a clean end of the stream: waits (asking the worker every
+        _DURABLE_POLL_S) until the chunks are durable when that is wanted;
+        ProducerError after durable_timeout. Returns at once when more is to
+        be sent (put() raced close) or the producer failed."""
         deadline = time.monotonic() + self.durable_timeout
         while True:
             with self._cv:
                 last = self.last_sequence
-                if self._acked < last:
-                    return  # more to send (put() raced close); the loop reconnects
+                if self._error is not None or self._acked < last:
+                    return  # failed, or more to send: the run loop decides
                 if not self._want_durable() or self._durable >= last:
                     return
-            if time.monotonic() > deadline:
-                raise ProducerError(f"kvcal: producer {self.producer_id}: chunks up to {last} "
-                                    f"acknowledged but not durable after {self.durable_timeout:.0f} s")
-            time.sleep(0.2)
+                remaining = deadline - time.monotonic()
+                if remaining < 0:
+                    raise ProducerError(
+                        f"kvcal: producer {self.producer_id}: chunks up to {last} acknowledged "
+                        f"but not durable after {self.durable_timeout:.0f} s")
+                if self._cv.wait_for(lambda: self._error is not None,
+                                     min(_DURABLE_POLL_S, remaining)):
+                    return
             applied, durable = self._server_watermark() or (0, 0)
             with self._cv:
                 if applied < self._acked:
@@ -887,86 +892,200 @@ class Producer:
                 self._release_locked(self._release_point_locked())
 
 
-class _ShardedProducer(Producer):
-    """Producer over a client of several workers: a Producer per worker."""
+class _Sender:
+    """The request side of one Ingest stream (gRPC reads it on a thread of
+    its own): the producer's kept chunks from `start` on, at most `window`
+    past the acknowledged one. It sleeps on the producer's condition until
+    there is something to do: a chunk put, an acknowledgement that opens the
+    window, close() (the stream is half-closed once everything put is sent),
+    an error, or end() when the stream is over. It never wakes on a timer."""
+
+    def __init__(self, producer: WorkerProducer, start: int):
+        self._producer = producer
+        self._sequence = start  # the next chunk to send
+        self._ended = False
+        self._next: Optional[_Chunk] = None  # what _ready_locked found
+
+    def end(self) -> None:
+        """The stream is over: the sender stops (a waiting one wakes up)."""
+        with self._producer._cv:
+            self._ended = True
+            self._producer._cv.notify_all()
+
+    def __iter__(self):
+        p = self._producer
+        while True:
+            with p._cv:
+                p._cv.wait_for(self._ready_locked)
+                chunk, self._next = self._next, None
+            if chunk is None:
+                return  # half-closes the stream
+            request = p._request(chunk)
+            if request is None:
+                return
+            yield request
+            self._sequence += 1
+
+    def _ready_locked(self) -> bool:
+        """True when there is a chunk to send (then in self._next) or the
+        stream is to be half-closed (self._next None); False to wait."""
+        p = self._producer
+        self._next = None
+        if self._ended or p._error is not None:
+            return True
+        # Acknowledged meanwhile (e.g. an earlier stream's chunks applied
+        # after this one resumed): skip them.
+        self._sequence = max(self._sequence, p._acked + 1)
+        if self._sequence < p._next_sequence and self._sequence - p._acked <= p.window:
+            first = p._chunks[0].sequence if p._chunks else p._next_sequence
+            if self._sequence < first:
+                p._error = p._error or ProducerError(
+                    f"kvcal: producer {p.producer_id}: chunk {self._sequence} must be sent but "
+                    f"was already released (kept from {first})")
+                p._cv.notify_all()
+                return True
+            self._next = p._chunks[self._sequence - first]
+            return True
+        return p._closing and self._sequence >= p._next_sequence
+
+
+class ShardedProducer:
+    """Streams to one session over a client of several workers: one
+    WorkerProducer per worker (`producers`, in the order of client.workers),
+    each layer's chunks to the worker that holds it (numbered per worker, as
+    the C++ client does). Batches and held-out flags are the
+    ShardedProducer's; counters and errors are the sum of its producers'."""
 
     def __init__(self, client: Client, session_id: Optional[str] = None, producer_id: str = "",
-                 **kwargs):
-        _check_options(**kwargs)  # before any worker is asked
+                 **options):
+        """options: WorkerProducer's (chunk_bytes, window, ...), for each."""
+        _check_options(**options)  # before any worker is asked
+        if getattr(client, "workers", None) is None:
+            raise ValueError("kvcal: a ShardedProducer needs a client of several workers; "
+                             "kvcal.Producer(client) returns a WorkerProducer for one")
         self.client = client
         self.session_id = session_id or client._session(None)
         self.producer_id = producer_id or "default"
         client.check_session_workers(self.session_id)  # the clear error for another worker set
-        self._shards = [Producer(w, self.session_id, producer_id, **kwargs) for w in client.workers]
-        self.geometry = self._shards[0].geometry
+        self.producers: List[WorkerProducer] = []
+        try:
+            for worker in client.workers:
+                self.producers.append(
+                    WorkerProducer(worker, self.session_id, producer_id, **options))
+        except BaseException:
+            for p in self.producers:  # the streams already started
+                p.abandon("kvcal: producer abandoned: another worker's producer failed to start")
+            raise
+        self.geometry = self.producers[0].geometry
+        self.holdout = False  # chunks put while True are sent as held out
+        self._batch = 0
+        self._batches_started = False
 
     @property
     def batch(self) -> int:
-        return self._shards[0].batch
+        return self._batch
 
     def new_batch(self) -> int:
-        return [p.new_batch() for p in self._shards][0]
-
-    @property
-    def holdout(self) -> bool:
-        return self._shards[0].holdout
-
-    @holdout.setter
-    def holdout(self, value: bool) -> None:
-        for p in self._shards:
-            p.holdout = bool(value)
+        """Starts the next calibration batch (0, 1, 2, ...) and returns it."""
+        if self._batches_started:
+            self._batch += 1
+        self._batches_started = True
+        return self._batch
 
     @property
     def last_sequence(self) -> int:
-        return sum(p.last_sequence for p in self._shards)
+        return sum(p.last_sequence for p in self.producers)
 
     @property
     def reconnects(self) -> int:
-        return sum(p.reconnects for p in self._shards)
-
-    @property
-    def shared_memory(self) -> bool:
-        return all(p.shared_memory for p in self._shards)
+        return sum(p.reconnects for p in self.producers)
 
     @property
     def resumes(self) -> List[Tuple[int, int]]:
-        return [r for p in self._shards for r in p.resumes]
+        return [r for p in self.producers for r in p.resumes]
 
-    def put(self, layer: int, role, tensor, **kwargs) -> None:
+    @property
+    def shared_memory(self) -> bool:
+        return all(p.shared_memory for p in self.producers)
+
+    @property
+    def shared_memory_fallback(self) -> Optional[str]:
+        """Why some worker's chunks go in-band (one line per such worker), or
+        None."""
+        why = [f"{p.client.target}: {p.shared_memory_fallback}" for p in self.producers
+               if p.shared_memory_fallback is not None]
+        return "; ".join(why) if why else None
+
+    def put(self, layer: int, role, tensor, *, batch: Optional[int] = None,
+            layout="heads_tokens_dim", head_offset: int = 0,
+            holdout: Optional[bool] = None) -> None:
+        """WorkerProducer.put on the producer of the worker that holds `layer`."""
         from kvcal.sharding import layer_owner
 
         layer = _args.check_int("put", "layer", layer, _args.IntRange(0, (1 << 32) - 1))
-        shard = self._shards[layer_owner(self.session_id, int(layer), self.client.worker_ids)]
-        if kwargs.get("batch") is None:
-            kwargs["batch"] = self.batch
-            for p in self._shards:
-                p._batches_started = True
-        shard.put(layer, role, tensor, **kwargs)
+        producer = self.producers[layer_owner(self.session_id, int(layer), self.client.worker_ids)]
+        if batch is None:
+            self._batches_started = True
+            batch = self._batch
+        producer.put(layer, role, tensor, batch=batch, layout=layout, head_offset=head_offset,
+                     holdout=self.holdout if holdout is None else bool(holdout))
 
     def flush(self, durable: Optional[bool] = None, timeout: Optional[float] = None) -> None:
-        for p in self._shards:
-            p.flush(durable=durable, timeout=timeout)
+        """flush() of every producer; `timeout` bounds them all together."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in self.producers:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            p.flush(durable=durable, timeout=remaining)
 
     def close(self) -> None:
+        """Closes every producer (all of them, even after one failed); raises
+        the ProducerError of the one that failed, or one naming each worker
+        whose producer failed."""
         errors = []
-        for p in self._shards:
+        for p in self.producers:
             try:
                 p.close()
             except BaseException as e:  # close every stream, then report
-                errors.append(e)
+                errors.append((p, e))
+        if len(errors) == 1:
+            raise errors[0][1]
         if errors:
-            raise errors[0]
+            raise ProducerError(
+                f"kvcal: producer {self.producer_id} failed on {len(errors)} of "
+                f"{len(self.producers)} workers: "
+                + "; ".join(f"{p.client.target}: {e}" for p, e in errors)) from errors[0][1]
+
+    def abandon(self, why: str = "kvcal: producer abandoned after an error") -> None:
+        for p in self.producers:
+            p.abandon(why)
+
+    def __enter__(self) -> "ShardedProducer":
+        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:
-            for p in self._shards:
-                p.__exit__(exc_type, exc, tb)
+        else:  # do not hide the original error behind a flush
+            self.abandon()
 
     def stats(self) -> dict:
         total: dict = {}
-        for p in self._shards:
+        for p in self.producers:
             for k, v in p.stats().items():
                 total[k] = total.get(k, 0) + v
         return total
+
+
+def Producer(client: Client, session_id: Optional[str] = None, producer_id: str = "",
+             **options) -> Union[WorkerProducer, ShardedProducer]:
+    """The producer for `client`: a WorkerProducer when the client talks to
+    one worker, a ShardedProducer (one WorkerProducer per worker) when it
+    talks to several. session_id: the client's session by default;
+    producer_id: "default" by default; options: WorkerProducer's keyword
+    arguments (chunk_bytes, max_pending_chunks, max_pending_bytes, window,
+    keep_until_durable, start_sequence, resume, reconnect_timeout,
+    durable_timeout, shared_memory). Both types have the same methods: put,
+    new_batch, flush, close, stats, and use as a context manager."""
+    if getattr(client, "workers", None) is not None:
+        return ShardedProducer(client, session_id, producer_id, **options)
+    return WorkerProducer(client, session_id, producer_id, **options)

@@ -256,9 +256,9 @@ def _refuse_mla(name: str, module: Any) -> None:
     """vLLM's MLAAttention caches one compressed latent per token, quantized
     with k_scale alone: per-head K/V scales do not apply to it."""
     if type(module).__name__ == "MLAAttention" or hasattr(module, "kv_lora_rank"):
-        from kvcal.client import _MLA
+        from kvcal.client import MLA_NOT_SUPPORTED
 
-        raise ValueError(f"kvcal: {name} ({type(module).__name__}): {_MLA}")
+        raise ValueError(f"kvcal: {name} ({type(module).__name__}): {MLA_NOT_SUPPORTED}")
 
 
 def _attention_layers(model_or_layers: Any, prefix: Optional[str]) -> Dict[int, Tuple[str, Any]]:

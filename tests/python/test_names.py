@@ -11,8 +11,8 @@ import pytest
 from safetensors import safe_open
 
 import kvcal
-from kvcal.client import (FORMATS, GRANULARITIES, OBSERVERS, _FORMAT_ALIASES,
-                          _GRANULARITY_ALIASES, _OBSERVER_ALIASES, _resolve)
+from kvcal import names
+from kvcal.names import FORMATS, GRANULARITIES, OBSERVERS
 from kvcal.v1 import pb
 
 # Every spelling users meet -> the value it names.
@@ -26,14 +26,13 @@ SPELLINGS = [
     ("format", "fp8", "float8_e4m3fn"), ("format", "fp8-e4m3fn", "float8_e4m3fn"),
     ("format", "e5m2", "float8_e5m2"), ("format", "FP8_E4M3FNUZ", "float8_e4m3fnuz"),
 ]
-TABLES = {"observer": (OBSERVERS, _OBSERVER_ALIASES), "granularity": (GRANULARITIES, _GRANULARITY_ALIASES),
-          "format": (FORMATS, _FORMAT_ALIASES)}
+RESOLVE = {"observer": names.resolve_observer, "granularity": names.resolve_granularity,
+           "format": names.resolve_format}
 
 
 @pytest.mark.parametrize("what,spelling,canonical", SPELLINGS)
 def test_python_accepts_every_spelling(what, spelling, canonical):
-    table, aliases = TABLES[what]
-    assert _resolve(spelling, table, aliases, what) == canonical
+    assert RESOLVE[what](spelling) == canonical
 
 
 def test_table_is_the_protos():
@@ -42,7 +41,18 @@ def test_table_is_the_protos():
                          "percentile": pb.OBSERVER_PERCENTILE, "auto": pb.OBSERVER_AUTO}
     assert GRANULARITIES == {"tensor": pb.GRANULARITY_PER_TENSOR, "head": pb.GRANULARITY_PER_HEAD}
     with pytest.raises(ValueError, match="unknown observer 'max'"):
-        _resolve("max", OBSERVERS, _OBSERVER_ALIASES, "observer")
+        names.resolve_observer("max")
+    # kvcal.client keeps the tables it always had, the same objects.
+    assert kvcal.client.OBSERVERS is OBSERVERS and kvcal.client.FORMATS is FORMATS
+
+
+def test_producer_tables_take_every_spelling_and_number():
+    roles = names.wire_numbers("Role")
+    assert roles["q"] == roles[pb.ROLE_Q] == pb.ROLE_Q and roles["role_v"] == pb.ROLE_V
+    layouts = names.wire_numbers("Layout")
+    for spelling in ("hf", "heads_tokens_dim", "LAYOUT_HEADS_TOKENS_DIM"):
+        assert layouts[names.normalise(spelling)] == pb.LAYOUT_HEADS_TOKENS_DIM
+    assert layouts["vllm"] == pb.LAYOUT_TOKENS_HEADS_DIM
 
 
 def _session(worker, sid):
@@ -71,7 +81,7 @@ def test_cli_finalize_takes_the_names_config_json_records(worker, kvcal_cli, tmp
     expected = client.finalize(observer=spelling, granularity="attn_head")
     with safe_open(str(out), "np") as f:
         meta = f.metadata()
-        assert meta["observer"] == _resolve(spelling, OBSERVERS, _OBSERVER_ALIASES, "observer")
+        assert meta["observer"] == names.resolve_observer(spelling)
         assert meta["granularity"] == "head"
         for name, value in expected.items():
             np.testing.assert_array_equal(f.get_tensor(name), value)

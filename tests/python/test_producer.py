@@ -2,6 +2,8 @@
 import json
 import os
 import subprocess
+import threading
+import types
 
 import numpy as np
 import pytest
@@ -159,4 +161,88 @@ def test_bearer_token(make_worker, tmp_path):
     client.create_session(geometry=GEOMETRY)
     push(client, make_batches(5, nbatches=1))
     assert client.status().chunks_applied == 6
+    client.delete()
+
+
+def test_producer_factory_picks_the_type_for_one_worker_or_several(worker, make_worker):
+    """kvcal.Producer(client) is a WorkerProducer for one worker and a
+    ShardedProducer made of one WorkerProducer per worker for several; each
+    layer's chunks go to its owner's producer."""
+    one = kvcal.Client(worker.target)
+    one.create_session(geometry=GEOMETRY)
+    with kvcal.Producer(one, producer_id="single") as single:
+        assert type(single) is kvcal.WorkerProducer
+        assert single.client is one
+    one.delete()
+
+    ws = [make_worker(extra_args=["--worker-id", n]) for n in ("b", "a")]
+    several = kvcal.Client([w.target for w in ws])
+    several.create_session(geometry=GEOMETRY, session_id="factory")
+    data = make_batches(5)
+    with kvcal.Producer(several, producer_id="sharded") as producer:
+        assert type(producer) is kvcal.ShardedProducer
+        assert [type(p) for p in producer.producers] == [kvcal.WorkerProducer] * 2
+        assert [p.client for p in producer.producers] == several.workers  # by worker id
+        assert {p.producer_id for p in producer.producers} == {"sharded"}
+        for per_layer in data:
+            producer.new_batch()
+            for layer, roles in per_layer.items():
+                for role, x in roles.items():
+                    producer.put(layer, role, x)
+    owners = list(several.status("factory").shard_map.layer_owners)
+    for i, p in enumerate(producer.producers):
+        # A worker's producer numbered exactly the chunks of the layers it owns.
+        assert p.last_sequence == 3 * len(data) * owners.count(i)
+        assert several.workers[i].status("factory").chunks_applied == p.last_sequence
+    assert producer.last_sequence == sum(p.last_sequence for p in producer.producers)
+    assert producer.stats()["acknowledged"] == producer.last_sequence
+
+    # Each type refuses the other's client with one clear error.
+    with pytest.raises(ValueError, match="streams to one worker and this client has 2"):
+        kvcal.WorkerProducer(several, producer_id="x")
+    with pytest.raises(ValueError, match="needs a client of several workers"):
+        kvcal.ShardedProducer(kvcal.Client(worker.target), session_id="factory")
+
+
+class _RecordingCondition(threading.Condition):
+    """threading.Condition recording each wait's thread and timeout."""
+    waits: list = []
+
+    def wait(self, timeout=None):
+        _RecordingCondition.waits.append((threading.current_thread(), timeout))
+        return super().wait(timeout)
+
+
+def test_sender_sleeps_without_a_timer_and_close_wakes_it(worker, monkeypatch):
+    """The sender waits on the producer's condition without a timeout (no
+    periodic polling), so put() and acknowledgements must wake it; close()
+    wakes it to half-close the stream, and the producer's thread ends."""
+    import kvcal.producer
+
+    # The producer module's threading, with the recording Condition.
+    monkeypatch.setattr(kvcal.producer, "threading",
+                        types.SimpleNamespace(**{**vars(threading),
+                                                 "Condition": _RecordingCondition}))
+    _RecordingCondition.waits = []
+    client = kvcal.Client(worker.target)
+    client.create_session(geometry=GEOMETRY)
+    producer = kvcal.Producer(client, window=2, chunk_bytes=64)
+    for per_layer in make_batches(6, nbatches=1):
+        for layer, roles in per_layer.items():
+            for role, x in roles.items():
+                producer.put(layer, role, x)  # many chunks through a window of 2
+    producer.flush()
+    assert producer.stats()["acknowledged"] == producer.last_sequence > 2
+
+    closer = threading.Thread(target=producer.close)
+    closer.start()
+    closer.join(60)  # a failure bound: a sender nobody wakes would hang here
+    assert not closer.is_alive(), "close() did not return: the sender was not woken"
+    assert not producer._thread.is_alive()
+    main = threading.main_thread()
+    sender_waits = [timeout for thread, timeout in _RecordingCondition.waits
+                    if thread is not main and thread is not producer._thread]
+    assert sender_waits, "the sender never waited"
+    assert set(sender_waits) == {None}, sender_waits
+    assert client.status().chunks_applied == producer.last_sequence
     client.delete()
