@@ -678,3 +678,58 @@ def test_standard_error_over_blocks():
     # block sums 2 and 6, n_b 2: residuals -2, +2 -> sqrt(2/1 * 8) / 4 = 1
     assert se == pytest.approx(1.0)
     assert math.isnan(calibrate_select.mean_se(d, np.zeros(4, np.int64))[1])
+
+
+# -- other inputs: parquet / arrow data sets, a GGUF model ----------------------------
+
+def test_parquet_and_arrow_data_sets_read_like_jsonl(tmp_path):
+    """.parquet and .arrow files (read with `datasets`) give the same
+    documents as the .jsonl with the same records: text and chat records;
+    a file with neither column is one clear error."""
+    pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"text": "first document"}, {"text": None, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"text": "third document", "messages": None}]
+    jsonl = tmp_path / "d.jsonl"
+    with open(jsonl, "w") as f:
+        for r in records:
+            f.write(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n")
+    table = pa.table({"text": [r.get("text") for r in records],
+                      "messages": [r.get("messages") for r in records]})
+    pq.write_table(table, str(tmp_path / "d.parquet"))
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema) as writer:  # what datasets.Dataset.from_file reads
+            writer.write_table(table)
+    want = calibrate_data.read_documents(str(jsonl))
+    assert want == ["first document", records[1]["messages"], "third document"]
+    assert calibrate_data.read_documents(str(tmp_path / "d.parquet")) == want
+    assert calibrate_data.read_documents(str(tmp_path / "d.arrow")) == want
+    pq.write_table(pa.Table.from_pylist([{"body": "x"}]), str(tmp_path / "bad.parquet"))
+    with pytest.raises(calibrate_data.DataError, match="no 'text' or 'messages' column"):
+        calibrate_data.read_documents(str(tmp_path / "bad.parquet"))
+
+
+def test_gguf_model_gives_a_safetensors_checkpoint(dataset, tmp_path):
+    """--gguf-file: SmolLM2's Q4_1 GGUF file, de-quantized by transformers,
+    is calibrated and written to --out as a safetensors checkpoint that
+    `kvcal inspect` accepts with every scale."""
+    import smollm2
+
+    smollm2.require()
+    gguf_dir = smollm2.gguf_dir()
+    before = snapshot(gguf_dir)
+    out = str(tmp_path / "out")
+    result = run(gguf_dir, "--gguf-file", smollm2.GGUF_FILE, "--dataset", dataset, "--samples", "4",
+                 "--seq-len", "32", "--observer", "static_minmax", "--out", out, "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = json.loads(result.stdout)
+    assert r["patch"]["mode"] == "gguf export" and r["inspect"]["clean"] is True
+    assert len(scale_tensors(out)) == 30 * 3
+    assert os.path.exists(os.path.join(out, "config.json"))
+    assert snapshot(gguf_dir) == before
+    # In place is refused: a GGUF file is not a checkpoint kvcal patches.
+    refused = run(gguf_dir, "--gguf-file", smollm2.GGUF_FILE, "--dataset", dataset)
+    assert refused.returncode == 1 and "pass --out DIR" in one_line(refused.stderr), refused.stderr
