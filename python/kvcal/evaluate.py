@@ -35,7 +35,9 @@ the smaller squared error; the same arithmetic as kernels/nvfp4.h, bit for
 bit). vLLM's store kernel reads one k_scale and one v_scale per layer, so
 NVFP4 takes per-tensor K/V scales only. Q and P: vLLM 0.34 serves an NVFP4
 cache with FlashInfer only. On SM100 (trtllm-gen) it quantizes the query to
-FP8 with q_scale (Attention.query_quant, per tensor or per KV head) and
+FP8 with q_scale (Attention.query_quant, per tensor or per KV head; a
+checkpoint without q_scale gets q_scale = k_scale from
+BaseKVCacheMethod.process_weights_after_loading, not 1.0) and
 writes the attention output as FP8 e4m3 with unit scale before the copy back
 to bf16 (FlashInferImpl: "NVFP4 trtllm kernel only supports FP8 output";
 this evaluation does not round the output); on SM80/SM90/SM120 (FlashInfer
