@@ -1,7 +1,7 @@
 // A session's shard map as the worker records it: the worker ids of the
 // session's worker set and the owner of every layer (proto ShardMap). The
 // worker never computes ownership (clients do, by rendezvous hashing;
-// client/sharding.h); it checks chunks and Finalize requests against the map
+// client/rpc/sharding.h); it checks chunks and Finalize requests against the map
 // it was given at CreateSession and keeps it in its state dir.
 //
 //   KVCAL_RETURN_IF_ERROR(ValidateShardMap(map, geometry.num_layers));

@@ -178,7 +178,7 @@ std::unique_ptr<grpc::Server> BuildServer(
   // connections (sessions "not found" on every other call).
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-  // Clients ping every 30 s while a call is open (client/connection.cc) to
+  // Clients ping every 30 s while a call is open (client/rpc/connection.cc) to
   // notice a vanished worker; accept pings every 10 s even without data so
   // that a waiting stream is never cut for "too many pings". The worker
   // also pings idle clients so that a producer host that vanished frees its

@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "client/checkpoint/scales_file.h"
 #include "client/report/common.h"
 #include "client/report/estimates.h"
 #include "client/report/evaluation.h"
-#include "client/scales_file.h"
 
 namespace kvcal::report {
 

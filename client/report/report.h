@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "client/scales_file.h"
+#include "client/checkpoint/scales_file.h"
 #include "kernels/scale_math.h"
 #include "kernels/statistics.h"
 #include "nlohmann/json.hpp"

@@ -12,7 +12,7 @@ Patching (patch_checkpoint) always runs the `kvcal patch` binary:
   is checked: every linked source file's inode, size and mtime are
   compared before and after). Then the staging directory is renamed to DIR.
   While it links, it holds a shared lock on MODEL (the protocol of
-  client/checkpoint_lock.h: flock on MODEL/.kvcal-patch/kvcal.lock), so that
+  client/checkpoint/checkpoint_lock.h: flock on MODEL/.kvcal-patch/kvcal.lock), so that
   a `kvcal patch` in place cannot change MODEL under it;
   A hard-linked DIR shares its unchanged shards with MODEL: a tool that
   later rewrites one of them in place changes both;
@@ -138,7 +138,7 @@ def _reflink(src: str, dst: str) -> bool:
 @contextlib.contextmanager
 def shared_lock(checkpoint: str, timeout: Optional[float]):
     """LOCK_SH on CHECKPOINT/.kvcal-patch/kvcal.lock, as a reader in
-    client/checkpoint_lock.h's protocol: several readers share it, a writer
+    client/checkpoint/checkpoint_lock.h's protocol: several readers share it, a writer
     (an in-place `kvcal patch`) waits for them. A read-only checkpoint
     without a lock file has no writer to fear: no lock. The last reader
     removes the lock file (and .kvcal-patch when empty)."""

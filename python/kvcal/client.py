@@ -45,7 +45,7 @@ class KvcalError(RuntimeError):
         super().__init__(f"{what}: {name}: {details}")
 
 
-# Attention kvcal does not calibrate (client/model_config.cc has the same
+# Attention kvcal does not calibrate (client/checkpoint/model_config.cc has the same
 # rules): refused with the config key that says so, never read as ordinary
 # attention. vLLM 0.34 caches one compressed latent per token for MLA, not
 # per-head K and V.

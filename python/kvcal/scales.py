@@ -9,7 +9,7 @@ The file is safetensors: one F32 tensor per (layer, role) named
 `model.layers.{L}.self_attn.{q,k,v}_scale`, shape [1] per tensor or
 [heads, 1, 1] per head, and `__metadata__` with kvcal_scales_version,
 granularity (tensor|head), observer (llm-compressor's name), format and
-whatever else the producer recorded (client/scales_file.h).
+whatever else the producer recorded (client/checkpoint/scales_file.h).
 """
 from __future__ import annotations
 

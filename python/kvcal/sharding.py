@@ -1,5 +1,5 @@
 """kvcal's sharding rule (docs/wire-contract.md "Sharding"), the same as the
-C++ client's client/sharding.h: layer L of session S goes to the worker id W
+C++ client's client/rpc/sharding.h: layer L of session S goes to the worker id W
 with the highest SplitMix64(FNV-1a-64(utf8(S) ++ 0x00 ++ le32(L) ++ utf8(W)))
 (rendezvous hashing; ties to the bytewise smaller id). tests/data/
 shard_vectors.json pins it for both clients.

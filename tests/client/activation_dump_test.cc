@@ -1,4 +1,4 @@
-#include "client/activation_dump.h"
+#include "client/checkpoint/activation_dump.h"
 
 #include <cstdint>
 #include <cstdio>
@@ -7,8 +7,8 @@
 #include <fstream>
 #include <string>
 
-#include "client/demo_model.h"
-#include "client/safetensors.h"
+#include "client/checkpoint/demo_model.h"
+#include "client/checkpoint/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/test_util.h"

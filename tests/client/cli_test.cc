@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "client/demo_model.h"
+#include "client/checkpoint/demo_model.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/run_process.h"

@@ -7,11 +7,11 @@
 #include <map>
 #include <set>
 
-#include "client/calibration_client.h"
-#include "client/calibration_job.h"
-#include "client/progress.h"
-#include "client/sharding.h"
-#include "client/uploader.h"
+#include "client/rpc/calibration_client.h"
+#include "client/rpc/calibration_job.h"
+#include "client/rpc/progress.h"
+#include "client/rpc/sharding.h"
+#include "client/rpc/uploader.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "client/calibration_client.h"
-#include "client/local_worker.h"
+#include "client/rpc/calibration_client.h"
+#include "client/rpc/local_worker.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

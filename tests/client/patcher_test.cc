@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "client/checkpoint_inspect.h"
-#include "client/checkpoint_patcher.h"
-#include "client/demo_model.h"
-#include "client/safetensors.h"
-#include "client/scales_file.h"
+#include "client/checkpoint/checkpoint_inspect.h"
+#include "client/checkpoint/checkpoint_patcher.h"
+#include "client/checkpoint/demo_model.h"
+#include "client/checkpoint/safetensors.h"
+#include "client/checkpoint/scales_file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

@@ -1,11 +1,11 @@
-#include "client/safetensors.h"
+#include "client/checkpoint/safetensors.h"
 
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/model_config.h"
+#include "client/checkpoint/model_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/test_util.h"

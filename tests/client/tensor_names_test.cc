@@ -1,7 +1,7 @@
-// The one module that builds and parses tensor names (client/tensor_names.h):
+// The one module that builds and parses tensor names (client/checkpoint/tensor_names.h):
 // the literal names each convention writes, pinned here independently of the
 // implementation, and their round trips.
-#include "client/tensor_names.h"
+#include "client/checkpoint/tensor_names.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -53,7 +53,7 @@ TEST(TensorNamesTest, ParseErrorsNameTheTensorAndWhatWasWrong) {
 }
 
 TEST(TensorNamesTest, CheckpointNamesPerTarget) {
-  // What vLLM 0.34 loads for each target (client/vllm_rules.h and the
+  // What vLLM 0.34 loads for each target (client/checkpoint/vllm_rules.h and the
   // conformance tests check that it does).
   EXPECT_EQ(CheckpointScaleName(PatchTarget::kCompressedTensors, "model", 2,
                                 Role::kK),

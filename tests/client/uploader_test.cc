@@ -1,5 +1,5 @@
 // The uploader and the sharding client against real kvcal-worker processes.
-#include "client/uploader.h"
+#include "client/rpc/uploader.h"
 
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -12,12 +12,12 @@
 #include <memory>
 #include <vector>
 
-#include "client/activation_dump.h"
-#include "client/calibration_client.h"
-#include "client/calibration_job.h"
-#include "client/demo_model.h"
-#include "client/local_worker.h"
-#include "client/sharding.h"
+#include "client/checkpoint/activation_dump.h"
+#include "client/checkpoint/demo_model.h"
+#include "client/rpc/calibration_client.h"
+#include "client/rpc/calibration_job.h"
+#include "client/rpc/local_worker.h"
+#include "client/rpc/sharding.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/test_util.h"

@@ -1,6 +1,6 @@
 // Conformance of what `kvcal patch` writes with what vLLM 0.34.0 loads, per
 // target x granularity x format, and the loader rules themselves
-// (client/vllm_rules.h) on hand-made checkpoints. Each expectation cites the
+// (client/checkpoint/vllm_rules.h) on hand-made checkpoints. Each expectation cites the
 // vLLM file and function it comes from (paths inside the `vllm/` package of
 // the 0.34.0 sdist; docs/formats.md "What vLLM 0.34.0 does with them").
 //
@@ -16,12 +16,12 @@
 #include <tuple>
 #include <vector>
 
-#include "client/checkpoint_inspect.h"
-#include "client/checkpoint_patcher.h"
-#include "client/demo_model.h"
-#include "client/safetensors.h"
-#include "client/scales_file.h"
-#include "client/vllm_rules.h"
+#include "client/checkpoint/checkpoint_inspect.h"
+#include "client/checkpoint/checkpoint_patcher.h"
+#include "client/checkpoint/demo_model.h"
+#include "client/checkpoint/safetensors.h"
+#include "client/checkpoint/scales_file.h"
+#include "client/checkpoint/vllm_rules.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

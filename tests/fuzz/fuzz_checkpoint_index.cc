@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "client/checkpoint_inspect.h"
-#include "client/safetensors.h"
+#include "client/checkpoint/checkpoint_inspect.h"
+#include "client/checkpoint/safetensors.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace kvcal {

@@ -1,4 +1,4 @@
-// libFuzzer target: the config.json geometry reader (client/model_config.h).
+// libFuzzer target: the config.json geometry reader (client/checkpoint/model_config.h).
 //
 // The input is a config.json. Parsed as JSON it goes through
 // ModelGeometryFromConfig, and as a file through ReadModelGeometry; both must
@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-#include "client/model_config.h"
+#include "client/checkpoint/model_config.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace kvcal {

@@ -1,4 +1,4 @@
-// libFuzzer target: the safetensors reader (client/safetensors.h).
+// libFuzzer target: the safetensors reader (client/checkpoint/safetensors.h).
 //
 // The input is a whole safetensors file. It goes through
 // ParseSafetensorsHeader directly and through SafetensorsFile::Open (from an
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "client/safetensors.h"
+#include "client/checkpoint/safetensors.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace kvcal {

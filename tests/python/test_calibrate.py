@@ -539,7 +539,7 @@ def test_out_on_another_file_system_is_copied(tmp_path):
 
 def test_linking_holds_a_shared_lock_on_the_source(tmp_path):
     """While it links, --out holds LOCK_SH on MODEL/.kvcal-patch/kvcal.lock
-    (client/checkpoint_lock.h): an in-place patch holding LOCK_EX makes it
+    (client/checkpoint/checkpoint_lock.h): an in-place patch holding LOCK_EX makes it
     fail naming the holder; free, it leaves no lock file behind."""
     import fcntl
 

@@ -36,7 +36,7 @@
 #include <tuple>
 #include <vector>
 
-#include "client/uploader.h"
+#include "client/rpc/uploader.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"

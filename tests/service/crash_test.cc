@@ -12,8 +12,8 @@
 #include <random>
 #include <thread>
 
-#include "client/connection.h"
-#include "client/uploader.h"
+#include "client/rpc/connection.h"
+#include "client/rpc/uploader.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
