@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/wait_until.h"
+
 namespace kvcal::testing {
 
 struct ProcessResult {
@@ -79,22 +81,15 @@ inline ProcessResult RunProcess(std::vector<std::string> args,
     _exit(127);
   }
   ProcessResult result;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
   int status = 0;
-  while (true) {
-    const pid_t done = waitpid(pid, &status, WNOHANG);
-    if (done == pid) {
-      result.exit_code = WIFEXITED(status)     ? WEXITSTATUS(status)
-                         : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
-                                               : -1;
-      break;
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (WaitUntil([&] { return waitpid(pid, &status, WNOHANG) == pid; }, timeout,
+                std::chrono::milliseconds(5))) {
+    result.exit_code = WIFEXITED(status)     ? WEXITSTATUS(status)
+                       : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
+                                             : -1;
+  } else {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
   }
   const auto slurp = [](const std::string& path) {
     std::ifstream in(path, std::ios::binary);

@@ -45,11 +45,13 @@
 #include "kvcal/v1/calibration.grpc.pb.h"
 #include "tests/service/rpc_helpers.h"
 #include "tests/service/worker_process.h"
+#include "tests/wait_until.h"
 
 namespace kvcal {
 namespace {
 
 namespace pb = ::kvcal::v1;
+using ::kvcal::testing::WaitUntil;
 using ::kvcal::testing::WorkerProcess;
 using Clock = std::chrono::steady_clock;
 
@@ -206,14 +208,17 @@ std::shared_ptr<grpc::Channel> OwnChannel(const std::string& address) {
 
 int MetricsPort(const WorkerProcess& worker) {
   static const std::regex re(R"(metrics on \S+ \(port (\d+)\))");
-  const auto deadline = Clock::now() + std::chrono::seconds(10);
-  while (Clock::now() < deadline) {
-    std::smatch m;
-    const std::string log = worker.ReadLog();
-    if (std::regex_search(log, m, re)) return std::stoi(m[1].str());
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return 0;
+  int port = 0;
+  WaitUntil(
+      [&] {
+        std::smatch m;
+        const std::string log = worker.ReadLog();
+        if (!std::regex_search(log, m, re)) return false;
+        port = std::stoi(m[1].str());
+        return true;
+      },
+      std::chrono::seconds(10));
+  return port;
 }
 
 // GET /metrics; an empty map when the request failed.
@@ -261,16 +266,15 @@ double Metric(int port, const std::string& name) {
 // Polls until streams_active and inflight_bytes are both 0; false on timeout.
 bool WaitForIdleStreams(int port, std::chrono::seconds timeout,
                         std::string* last) {
-  const auto deadline = Clock::now() + timeout;
-  for (;;) {
-    const double streams = Metric(port, "kvcal_ingest_streams_active");
-    const double inflight = Metric(port, "kvcal_ingest_inflight_bytes");
-    *last = "streams_active=" + std::to_string(streams) +
-            " inflight_bytes=" + std::to_string(inflight);
-    if (streams == 0 && inflight == 0) return true;
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  return WaitUntil(
+      [&] {
+        const double streams = Metric(port, "kvcal_ingest_streams_active");
+        const double inflight = Metric(port, "kvcal_ingest_inflight_bytes");
+        *last = "streams_active=" + std::to_string(streams) +
+                " inflight_bytes=" + std::to_string(inflight);
+        return streams == 0 && inflight == 0;
+      },
+      timeout, std::chrono::milliseconds(50));
 }
 
 // ------------------------------------------------------------- /proc rss

@@ -18,11 +18,13 @@
 #include "gtest/gtest.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
 #include "tests/service/worker_process.h"
+#include "tests/wait_until.h"
 
 namespace kvcal {
 namespace {
 
 namespace pb = ::kvcal::v1;
+using ::kvcal::testing::WaitUntil;
 using ::kvcal::testing::WorkerProcess;
 
 constexpr uint32_t kLayers = 3;
@@ -173,10 +175,9 @@ TEST_P(CrashTest, SigkillDuringIngestGivesBitIdenticalScales) {
   ASSERT_TRUE(CreateSession(address));
   // The session itself must be on disk before the first kill.
   const auto file = dir / "crash.kvstate";
-  for (int i = 0; i < 500 && !std::filesystem::exists(file); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(std::filesystem::exists(file));
+  ASSERT_TRUE(WaitUntil([&] { return std::filesystem::exists(file); },
+                        std::chrono::seconds(5),
+                        std::chrono::milliseconds(10)));
 
   // Kill points: after a seeded number of acknowledged chunks, so that every
   // run is killed mid-ingest however fast the machine is.

@@ -20,11 +20,13 @@
 #include "service/proto_convert.h"
 #include "service/session_registry.h"
 #include "service/worker.h"
+#include "tests/wait_until.h"
 #include "util/status_macros.h"
 
 namespace kvcal::service {
 namespace {
 
+using ::kvcal::testing::WaitUntil;
 using ::testing::HasSubstr;
 
 TEST(TokenAuthenticatorTest, ParsesTenantsAndBareTokens) {
@@ -322,13 +324,12 @@ TEST(WorkerHealthTest, DeviceLossMakesTheWorkerNotServing) {
 
   ReportDeviceLost(absl::InternalError(
       "CUDA error cudaErrorIllegalAddress (simulated) from a kernel"));
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::seconds(10);
   std::string health;
-  while ((health = HealthCheck(channel)) != std::string("\x08\x02", 2) &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  WaitUntil(
+      [&] {
+        return (health = HealthCheck(channel)) == std::string("\x08\x02", 2);
+      },
+      std::chrono::seconds(10), std::chrono::milliseconds(50));
   EXPECT_EQ(health, std::string("\x08\x02", 2)) << "NOT_SERVING";
   EXPECT_THAT((*worker)->service().metrics().HealthDetail(),
               HasSubstr("GPU lost"));

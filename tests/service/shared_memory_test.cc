@@ -20,6 +20,7 @@
 #include "service/calibration_service.h"
 #include "tests/service/rpc_helpers.h"
 #include "tests/service/worker_process.h"
+#include "tests/wait_until.h"
 
 namespace kvcal {
 namespace {
@@ -35,6 +36,7 @@ using ::kvcal::testing::ExportStatistics;
 using ::kvcal::testing::GetSession;
 using ::kvcal::testing::IngestAll;
 using ::kvcal::testing::StreamResult;
+using ::kvcal::testing::WaitUntil;
 using ::kvcal::testing::WorkerProcess;
 using ::testing::HasSubstr;
 
@@ -848,18 +850,15 @@ TEST(SharedMemoryDurableTest, RestartResumesByReferenceAndRestoresExactly) {
         shm, region.region_id());
     ASSERT_TRUE(IngestAll(stub.get(), refs).status.ok());
     // Durable, then killed.
-    const auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    for (;;) {
-      grpc::Status status;
-      pb::Session s = GetSession(stub.get(), "s", &status);
-      if (status.ok() && s.producers_size() == 1 &&
-          s.producers(0).durable_sequence() == half) {
-        break;
-      }
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "never durable";
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    ASSERT_TRUE(WaitUntil(
+        [&] {
+          grpc::Status status;
+          pb::Session s = GetSession(stub.get(), "s", &status);
+          return status.ok() && s.producers_size() == 1 &&
+                 s.producers(0).durable_sequence() == half;
+        },
+        std::chrono::seconds(10)))
+        << "never durable";
     ASSERT_NE(worker.SignalAndWait(SIGKILL, std::chrono::seconds(10)), -1);
   }
   WorkerProcess worker(args);

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/wait_until.h"
 
 namespace kvcal::testing {
 
@@ -63,20 +64,22 @@ class WorkerProcess {
       execv(argv[0], argv.data());
       _exit(127);
     }
-    const auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (std::chrono::steady_clock::now() < deadline) {
-      std::ifstream in(port_file);
-      if (in >> port_ && port_ > 0) return;
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        error_ = "worker exited during start-up: " + ReadLog();
-        pid_ = -1;
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    bool exited = false;
+    const bool started = WaitUntil(
+        [&] {
+          std::ifstream in(port_file);
+          if (in >> port_ && port_ > 0) return true;
+          int status = 0;
+          exited = waitpid(pid_, &status, WNOHANG) == pid_;
+          return exited;
+        },
+        std::chrono::seconds(20));
+    if (exited) {
+      error_ = "worker exited during start-up: " + ReadLog();
+      pid_ = -1;
+    } else if (!started) {
+      error_ = "worker did not write its port file in time: " + ReadLog();
     }
-    error_ = "worker did not write its port file in time: " + ReadLog();
   }
 
   // The worker's log goes with its directory; when the test has failed, it
@@ -112,12 +115,8 @@ class WorkerProcess {
   // `timeout`.
   bool WaitForLog(const std::string& text, std::chrono::milliseconds timeout =
                                                std::chrono::seconds(10)) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (ReadLog().find(text) == std::string::npos) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return true;
+    return WaitUntil([&] { return ReadLog().find(text) != std::string::npos; },
+                     timeout, std::chrono::milliseconds(10));
   }
 
   std::shared_ptr<grpc::Channel> Channel(
@@ -134,16 +133,13 @@ class WorkerProcess {
   int SignalAndWait(int sig, std::chrono::seconds timeout) {
     if (pid_ <= 0) return -1;
     kill(pid_, sig);
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < deadline) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return status;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    int status = 0;
+    if (!WaitUntil([&] { return waitpid(pid_, &status, WNOHANG) == pid_; },
+                   timeout)) {
+      return -1;
     }
-    return -1;
+    pid_ = -1;
+    return status;
   }
 
  private:

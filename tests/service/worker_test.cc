@@ -21,6 +21,7 @@
 #include "tests/service/rpc_helpers.h"
 #include "tests/service/worker_process.h"
 #include "tests/test_certs.h"
+#include "tests/wait_until.h"
 
 namespace kvcal {
 namespace {
@@ -30,6 +31,7 @@ using ::kvcal::testing::ExportStatistics;
 using ::kvcal::testing::GetSession;
 using ::kvcal::testing::IngestAll;
 using ::kvcal::testing::StreamResult;
+using ::kvcal::testing::WaitUntil;
 using ::kvcal::testing::WorkerProcess;
 using ::testing::HasSubstr;
 
@@ -973,18 +975,14 @@ class DurableTest : public ::testing::Test {
   // Polls until the producer's durable sequence reaches `sequence`.
   static bool WaitDurable(pb::Calibration::Stub* stub, const std::string& id,
                           uint64_t sequence) {
-    const auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (std::chrono::steady_clock::now() < deadline) {
-      grpc::Status status;
-      pb::Session s = GetSession(stub, id, &status);
-      if (status.ok() && s.producers_size() == 1 &&
-          s.producers(0).durable_sequence() >= sequence) {
-        return true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return false;
+    return WaitUntil(
+        [&] {
+          grpc::Status status;
+          pb::Session s = GetSession(stub, id, &status);
+          return status.ok() && s.producers_size() == 1 &&
+                 s.producers(0).durable_sequence() >= sequence;
+        },
+        std::chrono::seconds(10));
   }
 
   void CreateOn(pb::Calibration::Stub* stub, const std::string& id) {
@@ -1084,12 +1082,11 @@ TEST_F(DurableTest, SigtermMidStreamKeepsEverythingAcknowledged) {
       });
       // Signal once the worker is well into the stream, at a different point
       // each round.
-      const auto deadline =
-          std::chrono::steady_clock::now() + std::chrono::seconds(20);
-      while (acked.load() < 50u + 97u * static_cast<uint64_t>(round) &&
-             std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::yield();
-      }
+      WaitUntil(
+          [&] {
+            return acked.load() >= 50u + 97u * static_cast<uint64_t>(round);
+          },
+          std::chrono::seconds(20), /*poll=*/std::chrono::nanoseconds(0));
       const int exit = worker->SignalAndWait(SIGTERM, std::chrono::seconds(30));
       writer.join();
       reader.join();
