@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "util/status_macros.h"
+#include "util/strings.h"
 
 namespace kvcal::service {
 
@@ -17,14 +18,11 @@ absl::Status ValidateSessionId(absl::string_view id, bool allow_empty) {
     return absl::InvalidArgumentError(absl::StrCat(
         "session_id is ", id.size(), " characters long; at most 128"));
   }
-  for (char c : id) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-                    (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
-    if (!ok) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "session_id contains character 0x%02x; allowed: A-Z a-z 0-9 . _ -",
-          static_cast<unsigned char>(c)));
-    }
+  const size_t bad = FirstNonIdentifierChar(id);
+  if (bad != absl::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "session_id contains character 0x%02x; allowed: A-Z a-z 0-9 . _ -",
+        static_cast<unsigned char>(id[bad])));
   }
   return absl::OkStatus();
 }

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "util/strings.h"
 
 namespace kvcal::service {
 namespace {
@@ -16,11 +17,7 @@ std::string List(absl::Span<const std::string> ids) {
 
 absl::Status ValidateWorkerId(absl::string_view id) {
   const bool ok = !id.empty() && id.size() <= 128 &&
-                  std::all_of(id.begin(), id.end(), [](char c) {
-                    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') ||
-                           (c >= '0' && c <= '9') || c == '.' || c == '_' ||
-                           c == '-';
-                  });
+                  FirstNonIdentifierChar(id) == absl::string_view::npos;
   if (ok) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("worker id '", id, "' must match [A-Za-z0-9._-]{1,128}"));

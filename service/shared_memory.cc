@@ -11,10 +11,10 @@
 #include <random>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "util/status_macros.h"
+#include "util/strings.h"
 
 namespace kvcal::service {
 
@@ -38,12 +38,9 @@ absl::Status ValidateName(const std::string& name) {
   const bool prefixed =
       absl::string_view(name).substr(0, kNamePrefix.size()) == kNamePrefix;
   const size_t suffix = prefixed ? name.size() - kNamePrefix.size() : 0;
-  bool ok = prefixed && suffix >= 1 && suffix <= kMaxNameSuffix;
-  for (size_t i = kNamePrefix.size(); ok && i < name.size(); ++i) {
-    const char c = name[i];
-    ok = absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
-         c == '_' || c == '-';
-  }
+  const bool ok = prefixed && suffix >= 1 && suffix <= kMaxNameSuffix &&
+                  FirstNonIdentifierChar(absl::string_view(name).substr(
+                      kNamePrefix.size())) == absl::string_view::npos;
   if (!ok) {
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory name '", absl::CEscape(name.substr(0, 256)),

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "util/strings.h"
 
 namespace kvcal {
 namespace {
@@ -16,13 +17,7 @@ std::string PortRange(const HostPortRules& rules) {
 
 // A host name or IPv4 address: letters, digits, '.', '-', '_'.
 bool IsHostName(absl::string_view host) {
-  for (char c : host) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' &&
-        c != '-' && c != '_') {
-      return false;
-    }
-  }
-  return true;
+  return FirstNonIdentifierChar(host) == absl::string_view::npos;
 }
 
 // An IPv6 address, optionally with a zone ("fe80::1%eth0"): hex digits,
