@@ -41,9 +41,9 @@ struct ChunkNonFinite {
 // of `extent` (canonical order, types.h ChunkExtent) to out.heads (sized
 // extent.heads); `bytes` holds those n elements, element `first` first, in
 // any alignment. For a backend that reads a chunk piece by piece.
-void CountNonFiniteElements(DType dtype, const std::byte* bytes,
-                            uint64_t first, uint64_t n,
-                            const ChunkExtent& extent, ChunkNonFinite& out);
+void CountNonFiniteElements(DType dtype, const std::byte* bytes, uint64_t first,
+                            uint64_t n, const ChunkExtent& extent,
+                            ChunkNonFinite& out);
 
 // Every element of a validated chunk (data or pieces; extent from
 // ValidateChunk). One read pass; per-head counting only in the 64 KiB

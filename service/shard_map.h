@@ -1,8 +1,8 @@
 // A session's shard map as the worker records it: the worker ids of the
 // session's worker set and the owner of every layer (proto ShardMap). The
 // worker never computes ownership (clients do, by rendezvous hashing;
-// client/rpc/sharding.h); it checks chunks and Finalize requests against the map
-// it was given at CreateSession and keeps it in its state dir.
+// client/rpc/sharding.h); it checks chunks and Finalize requests against the
+// map it was given at CreateSession and keeps it in its state dir.
 //
 //   KVCAL_RETURN_IF_ERROR(ValidateShardMap(map, geometry.num_layers));
 //   KVCAL_RETURN_IF_ERROR(CheckWorkerSet("run7", map, request_ids));
