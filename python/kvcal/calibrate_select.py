@@ -212,7 +212,9 @@ def _token_nll(model, batches, blocks_from: int = 0):
 def score(model, batches: list, candidates: List[Candidate], progress=None,
           kv_format: str = "fp8") -> dict:
     """Runs the reference and every candidate over the held-out `batches`;
-    fills delta, se, nll and evaluation. Returns {"reference_nll", "tokens"}.
+    fills delta, se, nll and evaluation. Returns {"reference_nll", "tokens",
+    "blocks", "reference"} (the last two per held-out token: block ids and the
+    unquantized loss).
     `kv_format` ("fp8", "nvfp4", "nvfp4_4over6"): the K/V cache emulated
     (kvcal.torch.evaluate's; NVFP4 takes per-tensor K/V scales only)."""
     from kvcal import evaluate as ev
@@ -253,7 +255,8 @@ def score(model, batches: list, candidates: List[Candidate], progress=None,
             if c.same_as is not None:
                 s = c.same_as
                 c.nll, c.delta, c.se, c.evaluation = s.nll, s.delta, s.se, s.evaluation
-    return {"reference_nll": reference.nll, "tokens": reference.tokens, "blocks": blocks}
+    return {"reference_nll": reference.nll, "tokens": reference.tokens, "blocks": blocks,
+            "reference": ref}
 
 
 def _options(scales) -> dict:

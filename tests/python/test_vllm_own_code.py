@@ -95,9 +95,9 @@ def _vllm_bootstrap():
             "compressed_tensors": __import__("compressed_tensors").__version__}
 
 
-def _vllm_load(checkpoint, scale_names, kv_cache_dtype="auto"):
+def _vllm_load(checkpoint, scale_names, kv_cache_dtype="auto", skip_layers=None):
     """vLLM's load path for the attention scales of `checkpoint`; returns what
-    vLLM made of them."""
+    vLLM made of them. `skip_layers`: CacheConfig.kv_cache_dtype_skip_layers."""
     import torch
     from safetensors import safe_open
     from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, VllmConfig,
@@ -125,7 +125,8 @@ def _vllm_load(checkpoint, scale_names, kv_cache_dtype="auto"):
     # vllm/config/vllm.py VllmConfig -> model_loader/weight_utils.py
     # get_quant_config: injects total_num_heads/total_num_kv_heads into a
     # compressed-tensors config with config_groups, then <Config>.from_config.
-    vllm_config = VllmConfig(model_config=model_config, cache_config=CacheConfig(cache_dtype=cache_dtype),
+    cache_config = CacheConfig(cache_dtype=cache_dtype, kv_cache_dtype_skip_layers=skip_layers or [])
+    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
                              load_config=LoadConfig(), device_config=DeviceConfig(device="cpu"))
     quant_config = vllm_config.quant_config
     out["quant_config"] = type(quant_config).__name__
@@ -203,6 +204,34 @@ def _vllm_load(checkpoint, scale_names, kv_cache_dtype="auto"):
         }
     out["warnings"] = list(_WARNINGS)
     return out
+
+
+def _vllm_parse_skip_layers(argv):
+    """What vLLM's own command line (FlexibleArgumentParser with
+    EngineArgs.add_cli_args, as `vllm serve` builds it) makes of `argv`:
+    EngineArgs.kv_cache_dtype_skip_layers, or the parser's error."""
+    import contextlib
+    import io
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # add_cli_args builds DeviceConfig() for its defaults, which needs a
+    # device type; vLLM's platform on a CPU-only machine has none.
+    previous = current_platform.device_type
+    current_platform.device_type = previous or "cpu"
+    try:
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                args = parser.parse_args(argv)
+        except SystemExit:
+            return {"error": err.getvalue().strip().splitlines()[-1]}
+    finally:
+        current_platform.device_type = previous
+    return {"kv_cache_dtype_skip_layers": args.kv_cache_dtype_skip_layers}
 
 
 def _vllm_validate_kv_cache_scheme(scheme):
@@ -476,6 +505,36 @@ def assert_no_scale_warnings(loaded):
 # ---------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------
+
+
+def test_skip_layers_argument_keeps_those_layers_unquantized(vllm, kvcal_cli, tmp_path):
+    """kvcal-calibrate's skip-layer advice (kvcal.skip_layers.argument) as
+    vLLM 0.34 reads it: its own parser gives the layer list, and
+    Attention.__init__ (extract_layer_index of the layer's prefix) keeps
+    exactly those layers' cache in the model dtype ("auto") while the
+    others take the checkpoint's FP8 cache with kvcal's scales."""
+    import shlex
+
+    from kvcal import skip_layers
+
+    line = skip_layers.argument([1])
+    assert line == "--kv-cache-dtype-skip-layers 1"
+    parsed = vllm.call("_vllm_parse_skip_layers", shlex.split(line))
+    assert parsed == {"kv_cache_dtype_skip_layers": ["1"]}
+    # Several layers are separate words (nargs="+", strings); a comma list
+    # is one string that would match no layer, which is why kvcal never
+    # prints one.
+    assert vllm.call("_vllm_parse_skip_layers", shlex.split(skip_layers.argument([3, 0]))) == \
+        {"kv_cache_dtype_skip_layers": ["0", "3"]}
+    assert vllm.call("_vllm_parse_skip_layers", ["--kv-cache-dtype-skip-layers", "0,3"]) == \
+        {"kv_cache_dtype_skip_layers": ["0,3"]}
+    out, scales, added = patched(tmp_path, kvcal_cli, "tensor")
+    loaded = vllm.call("_vllm_load", out, added, "auto", parsed["kv_cache_dtype_skip_layers"])
+    assert_mapped_to_attention(loaded, added)
+    dtypes = {int(layer): got["kv_cache_dtype"] for layer, got in loaded["layers"].items()}
+    assert dtypes == {0: "fp8", 1: "auto"}
+    want = per_role(scales)
+    assert loaded["layers"]["0"]["_k_scale"] == want[(0, "k")].tolist()
 
 
 @pytest.mark.parametrize("base", ["unquantized", "fp8-w8a8"])
