@@ -290,4 +290,18 @@ absl::StatusOr<CommandResult> RunDemo(const DemoArgs& args) {
            {"seconds", absl::ToDoubleSeconds(absl::Now() - start)}}};
 }
 
+CLI::App* AddDemoCommand(CLI::App& app, Args& a) {
+  CLI::App* sub = app.add_subcommand(
+      "demo", "start a local worker, calibrate a generated model end to end");
+  sub->add_option("--dir", a.demo.dir,
+                  "where to write (default: a new /tmp dir)");
+  sub->add_option("--worker", a.demo.worker,
+                  "kvcal-worker binary (default: next to kvcal, then PATH)");
+  sub->add_option("--backend", a.demo.backend, "worker backend: auto|cpu|cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  AddJsonFlag(sub, a);
+  return sub;
+}
+
 }  // namespace kvcal

@@ -46,7 +46,7 @@ class RealRange(NamedTuple):
         return f"{out}, or 0 for {self.zero_means}" if self.zero_means else out
 
 
-# The ranges the CLI checks (client/cli/kvcal_main.cc, kernels/scale_math.cc's
+# The ranges the CLI checks (client/cli/options.cc, cmd_session.cc, kernels/scale_math.cc's
 # ScaleOptions::Validate for the Finalize options).
 CHUNK_BYTES = IntRange(1, 1 << 30)
 WINDOW = IntRange(1, 1024)

@@ -1,0 +1,194 @@
+// The flags several `kvcal` subcommands share (the connection, finalize's
+// options, --json, --lock-timeout, the numeric ranges) and the requests and
+// options they turn into.
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/cli/kvcal_cli.h"
+#include "client/rpc/connection.h"
+#include "kernels/scale_math.h"
+#include "proto/names.h"
+#include "util/cli.h"
+#include "util/status_macros.h"
+
+namespace kvcal {
+
+void AddConnection(CLI::App* app, ConnectionArgs& c,
+                   std::vector<std::string>* notices, bool required) {
+  CLI::Option* server =
+      app->add_option("--server", c.servers,
+                      "worker HOST[:PORT] (port 50051 when left out); "
+                      "repeat or comma-separate for several, dns:///name:port "
+                      "for every address of a name, file:PATH for a list "
+                      "(layers are sharded by worker id)")
+          ->envname("KVCAL_SERVER")
+          ->delimiter(',')
+          // One value per --server (repeat it, or comma-separate): without
+          // this CLI11 reads "[::1]" as a list and drops the brackets.
+          ->allow_extra_args(false)
+          ->check(cli::ServerAddress(notices));
+  if (required) server->required();
+  app->add_option("--auth-token-file", c.auth_token_file,
+                  "file holding the bearer token the workers expect")
+      ->envname("KVCAL_AUTH_TOKEN_FILE");
+  app->add_option("--tls-ca", c.tls_ca, "PEM CA bundle: connect with TLS");
+  CLI::Option* cert = app->add_option("--tls-cert", c.tls_cert,
+                                      "PEM client certificate (mutual TLS)");
+  CLI::Option* key =
+      app->add_option("--tls-key", c.tls_key, "PEM client key (mutual TLS)");
+  cert->needs(key);
+  key->needs(cert);
+}
+
+void AddFinalize(CLI::App* app, FinalizeArgs& f) {
+  // Spellings from the one names table (proto/names.h): config.json's
+  // "minmax", "static_minmax", "attn_head" are accepted as well.
+  app->add_option("--observer", f.observer,
+                  CliNames(v1::Observer_descriptor()) +
+                      " (or the name config.json records); auto: every "
+                      "observer, judged on the held-out batches")
+      ->check(Named(ParseObserver, CliNames(v1::Observer_descriptor())))
+      ->capture_default_str();
+  app->add_flag("--evaluate", f.evaluate,
+                "also measure the scales' FP8 attention error on the "
+                "session's held-out batches (push --holdout-batches)");
+  app->add_flag("--evaluate-kv-only", f.evaluate_kv_only,
+                "evaluate with Q unquantized (FP8 KV cache, bf16 query)");
+  app->add_flag("--auto-per-session", f.auto_per_session,
+                "observer auto: one observer for every layer (default: the "
+                "best per layer)");
+  app->add_option("--granularity", f.granularity,
+                  CliNames(v1::Granularity_descriptor()))
+      ->check(Named(ParseGranularity, CliNames(v1::Granularity_descriptor())))
+      ->capture_default_str();
+  app->add_option("--format", f.format, CliNames(v1::Format_descriptor()))
+      ->check(Named(ParseFormat, CliNames(v1::Format_descriptor())))
+      ->capture_default_str();
+  // 0 = the worker's default; the defaults live in ScaleOptions, the valid
+  // ranges in ScaleOptions::Validate (kernels/scale_math.cc): checked here
+  // too, so that a wrong value is a usage error before anything is sent.
+  const ScaleOptions d;
+  const auto worker_default = [](auto value) {
+    return absl::StrCat("the worker's default, ", value);
+  };
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  constexpr uint64_t kU32 = std::numeric_limits<uint32_t>::max();
+  app->add_option(
+         "--averaging-constant", f.averaging_constant,
+         absl::StrCat("minmax-ema constant (0 = ", d.averaging_constant, ")"))
+      ->check(cli::InRange(cli::RealRange{
+          0, 1, true, false, worker_default(d.averaging_constant)}));
+  app->add_option("--percentile", f.percentile,
+                  absl::StrCat("percentile p (0 = ", d.percentile, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, 100, true, false, worker_default(d.percentile)}));
+  app->add_option("--margin", f.margin,
+                  absl::StrCat("multiplies every range (0 = ", d.margin, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, kInf, true, true, worker_default(d.margin)}));
+  app->add_option("--mse-grid", f.mse_grid,
+                  absl::StrCat("MSE grid (0 = ", d.mse_grid, ")"))
+      ->check(cli::InRange(cli::IntRange{
+          0, kU32, absl::StrCat("0 = ", worker_default(d.mse_grid))}));
+  app->add_option("--mse-max-shrink", f.mse_max_shrink,
+                  absl::StrCat("MSE max shrink (0 = ", d.mse_max_shrink, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, 1, true, true, worker_default(d.mse_max_shrink)}));
+  app->add_option("--mse-norm", f.mse_norm,
+                  absl::StrCat("MSE error norm (0 = ", d.mse_norm, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, kInf, true, true, worker_default(d.mse_norm)}));
+  app->add_option("--mse-patience", f.mse_patience,
+                  "accepted for llm-compressor compatibility; the MSE search "
+                  "covers the whole grid")
+      ->check(cli::InRange(cli::IntRange{
+          0, kU32, absl::StrCat("0 = ", worker_default(d.mse_patience))}));
+  app->add_flag("--q-per-kv-group", f.q_per_kv_group,
+                "per head: reduce Q scales to one per KV group (max); not for "
+                "vLLM 0.34 checkpoints, which reduce q themselves");
+  app->add_flag(
+      "--allow-missing", f.allow_missing,
+      "roles with heads that saw no data get no scale instead of an error");
+}
+
+absl::StatusOr<CalibrationClient> Connect(const ConnectionArgs& c) {
+  ConnectionOptions options;
+  if (!c.auth_token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadTokenFile(c.auth_token_file);
+    if (!token.ok()) {
+      return absl::Status(token.status().code(),
+                          absl::StrCat("--auth-token-file: ",
+                                       token.status().message()));
+    }
+    options.auth_token = *std::move(token);
+  }
+  options.tls_ca_file = c.tls_ca;
+  options.tls_cert_file = c.tls_cert;
+  options.tls_key_file = c.tls_key;
+  return CalibrationClient::Connect(c.servers, options);
+}
+
+absl::StatusOr<v1::FinalizeRequest> MakeFinalizeRequest(
+    const FinalizeArgs& f, const std::string& session) {
+  v1::FinalizeRequest r;
+  r.set_session_id(session);
+  KVCAL_ASSIGN_OR_RETURN(v1::Observer observer, ParseObserver(f.observer));
+  KVCAL_ASSIGN_OR_RETURN(v1::Granularity granularity,
+                         ParseGranularity(f.granularity));
+  KVCAL_ASSIGN_OR_RETURN(v1::Format format, ParseFormat(f.format));
+  r.set_observer(observer);
+  r.set_granularity(granularity);
+  r.set_format(format);
+  r.set_averaging_constant(f.averaging_constant);
+  r.set_percentile(f.percentile);
+  r.set_margin(f.margin);
+  r.set_mse_grid(f.mse_grid);
+  r.set_mse_max_shrink(f.mse_max_shrink);
+  r.set_mse_norm(f.mse_norm);
+  r.set_mse_patience(f.mse_patience);
+  r.set_q_per_kv_group(f.q_per_kv_group);
+  r.set_allow_missing(f.allow_missing);
+  r.set_evaluate(f.evaluate);
+  r.set_evaluate_kv_only(f.evaluate_kv_only);
+  r.set_auto_per_session(f.auto_per_session);
+  return r;
+}
+
+UploaderOptions MakeUploaderOptions(const Args& a) {
+  UploaderOptions o;
+  o.producer_id = a.producer;
+  o.max_chunk_bytes = a.chunk_bytes;
+  o.window = a.window;
+  o.resume = a.resume;
+  o.shared_memory = a.shm;
+  return o;
+}
+
+// The numeric flags' valid values (docs/producers.md has the defaults).
+// A chunk is at most the largest message a worker accepts
+// (--max-message-bytes, at most 1 GiB); below one row, every row is a chunk.
+CLI::Validator ChunkBytes() {
+  return cli::InRange(cli::IntRange{1, 1 << 30, ""});
+}
+
+// The worker's rule (kernels/types.cc): 0 or a power of two up to 128.
+CLI::Validator HistogramBins() {
+  return cli::ZeroOrPowerOfTwo(128, "no histograms");
+}
+
+void AddJsonFlag(CLI::App* sub, Args& a) {
+  sub->add_flag("--json", a.json, "machine-readable output on stdout");
+}
+
+void AddLockTimeout(CLI::App* sub, Args& a) {
+  sub->add_option("--lock-timeout", a.lock_timeout,
+                  "seconds to wait while another kvcal process writes the "
+                  "checkpoint (0: refuse at once, naming it; at most a week)")
+      ->check(cli::InRange(cli::RealRange{0, 604800, false, false, ""}))
+      ->capture_default_str();
+}
+
+}  // namespace kvcal
