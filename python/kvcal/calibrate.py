@@ -17,6 +17,8 @@ What it does (docs/calibrate.md is the user's guide):
 4. finalizes every candidate setting and scores each on the held-out
    samples by the model's own loss with Q/K/V fake-quantized
    (calibrate_select.py), against scale 1.0 and llm-compressor's default;
+   for the chosen one, which layers to leave unquantized (skip_layers.py:
+   --kv-cache-dtype-skip-layers, verified by one more held-out pass);
 5. patches the checkpoint (`kvcal patch`), checks it (`kvcal inspect`),
    writes the HTML report (`kvcal report`) and prints the `vllm serve` line
    (calibrate_output.py).
@@ -77,6 +79,8 @@ def summary(result: CalibrationResult) -> str:
         lines.append(f"  against scale 1.0 ({ones.label}): {c.delta - ones.delta:+.4f} nats/token; "
                      f"attention error {100 * c.attention_error:.2f}% (scale 1.0: "
                      f"{100 * ones.attention_error:.2f}%)")
+    if result.skip is not None:
+        lines.extend(result.skip.describe())
     lines.append(f"granularity: {result.platform}")
     lines.append(result.patch.describe())
     v = _inspect_summary(result.inspect)

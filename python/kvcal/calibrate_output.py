@@ -386,10 +386,16 @@ Q_BACKENDS = ("FLASH_ATTN (FlashAttention 2/3), TRITON_ATTN and, on Blackwell, F
               "16 bits")
 
 
-def serve_line(checkpoint: str, chosen, target: str) -> dict:
-    """The `vllm serve` command for the chosen setting, and why."""
+def serve_line(checkpoint: str, chosen, target: str, skip=None) -> dict:
+    """The `vllm serve` command for the chosen setting, and why; `skip` (a
+    kvcal.skip_layers.SkipAdvice) adds --kv-cache-dtype-skip-layers when it
+    advises layers."""
     args = ["vllm", "serve", checkpoint, "--kv-cache-dtype", "fp8"]
     notes = []
+    if skip is not None and skip.advised:
+        notes.append(f"layers {', '.join(map(str, skip.layers))} keep their KV cache in the "
+                     f"model's dtype ({skip.reason}); the KV cache takes x{skip.cache_ratio:.3f} "
+                     "the bytes per token of an all-FP8 one")
     if chosen.granularity == "head":
         args += ["--attention-backend", "FLASH_ATTN"]
         backends = "FLASH_ATTN with FlashAttention 3 (Hopper or newer) only"
@@ -405,6 +411,9 @@ def serve_line(checkpoint: str, chosen, target: str) -> dict:
         notes.append("the choice quantizes Q, K and V: " + Q_BACKENDS)
     if target == "quark":
         notes.append("Quark checkpoints need --kv-cache-dtype fp8 (vLLM does not switch by itself)")
+    if skip is not None and skip.advised:
+        # Last: the option takes every following word (argparse nargs="+").
+        args += skip.argument.split()
     return {"command": " ".join(_quote(a) for a in args), "backends": backends, "notes": notes}
 
 

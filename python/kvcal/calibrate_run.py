@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence
 from kvcal import calibrate_data as data
 from kvcal import calibrate_output as output
 from kvcal import calibrate_select as select
+from kvcal import skip_layers
 from kvcal.calibrate_worker import EmbeddedWorker, WorkerError
 
 PROG = "kvcal-calibrate"
@@ -55,6 +56,7 @@ class CalibrationResult:
     why: str = ""                         # why the chosen candidate, in words
     resumed: Optional[dict] = None        # {"skipped_batches", "batches"} after --resume
     report_note: str = ""                 # where the report's own recommendation differs
+    skip: Optional[skip_layers.SkipAdvice] = None  # which layers to keep unquantized
 
     @property
     def scale_one(self) -> select.Candidate:
@@ -77,6 +79,7 @@ class CalibrationResult:
             "samples": self.samples, "timings": {k: round(v, 3) for k, v in self.timings.items()},
             "warnings": self.warnings, "resumed": self.resumed,
             "report_note": self.report_note or None,
+            "skip_layers": self.skip.to_dict() if self.skip is not None else None,
         }
 
 
@@ -764,6 +767,9 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
     with ui.bar(total=runs, desc="scoring on held-out", unit="run") as bar:
         scored = select.score(model, held, candidates, progress=lambda: bar.update(1))
     chosen = select.choose(candidates, scored["blocks"])
+    # Skip-layer advice for the chosen setting: one more held-out pass when
+    # a layer's attention error is an outlier (kvcal/skip_layers.py).
+    skip = skip_layers.advise(model, held, chosen, scored["reference"], scored["blocks"])
     if o.scales_dir:
         _save_candidates(o.scales_dir, candidates)
     why = select.why(chosen, candidates, scored["blocks"])
@@ -817,14 +823,14 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
     o.timings["total"] = time.monotonic() - o.t_start
     result = CalibrationResult(
         checkpoint=checkpoint, report=report_path, chosen=chosen, candidates=candidates,
-        serve=output.serve_line(checkpoint, chosen, o.target), inspect=inspected, patch=patch,
+        serve=output.serve_line(checkpoint, chosen, o.target, skip), inspect=inspected, patch=patch,
         session=o.session_id,
         samples={"calibration": len(o.sampled.calibration), "holdout": len(o.sampled.holdout),
                  "tokens": o.sampled.tokens, "seq_len": o.seq_len, "batch_size": o.batch_size,
                  "documents": o.sampled.documents, "requested": o.sampled.requested},
         platform=o.platform, timings=o.timings, warnings=o.warnings,
         reference_nll=scored["reference_nll"], holdout_tokens=scored["tokens"], why=why,
-        resumed=run.resumed, report_note=report_note)
+        resumed=run.resumed, report_note=report_note, skip=skip)
     return result
 
 

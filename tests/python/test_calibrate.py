@@ -207,6 +207,17 @@ def test_every_candidate_scored_and_one_chosen(calibrated):
     for stage in ("load", "tokenize", "forwards", "upload", "finalize_evaluate", "patch"):
         assert r["timings"][stage] >= 0
     assert r["serve"]["command"].startswith(f"vllm serve {calibrated['out']} --kv-cache-dtype fp8")
+    # Skip-layer advice for the chosen setting (kvcal/skip_layers.py): the
+    # per-layer errors of all 30 layers; the argument in the serve line
+    # exactly when advised, and then only with a measured gain.
+    skip = r["skip_layers"]
+    assert skip["kv_format"] == "fp8" and len(skip["layer_error"]) == 30
+    if skip["advised"]:
+        assert r["serve"]["command"].endswith(" " + skip["argument"])
+        assert skip["gain"] > 2 * skip["gain_se"] > 0
+    else:
+        assert skip["argument"] is None
+        assert "--kv-cache-dtype-skip-layers" not in r["serve"]["command"]
 
 
 def test_patched_copy_is_linked_and_the_source_untouched(calibrated):

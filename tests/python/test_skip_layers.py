@@ -22,6 +22,7 @@ the skipped layer (9/16 for NVFP4, checked on the formula); without the outlier 
 (tests/python/test_vllm_own_code.py runs the printed argument through vLLM's
 own parser and attention layers.) A few seconds on two cores."""
 import math
+import shlex
 from types import SimpleNamespace
 
 import numpy as np
@@ -115,6 +116,26 @@ def test_outlier_layer_is_advised_and_skipping_it_helps(kv_format, kv_only):
     assert d["advised"] and d["layers"] == [OUTLIER] and d["argument"] == advice.argument
     text = "\n".join(advice.describe())
     assert advice.argument in text and "exceeds 3 x the median" in text
+    # kvcal-calibrate's `vllm serve` line ends with it (the option takes
+    # every following word), and its note gives the cost.
+    from kvcal import calibrate_output
+
+    serve = calibrate_output.serve_line("/m", cand, "compressed-tensors", advice)
+    assert shlex.split(serve["command"])[-2:] == ["--kv-cache-dtype-skip-layers", str(OUTLIER)]
+    assert any("x1.250 the bytes per token" in n for n in serve["notes"]), serve["notes"]
+    plain = calibrate_output.serve_line("/m", cand, "compressed-tensors")
+    assert serve["command"] == plain["command"] + " " + advice.argument
+    # kvcal-calibrate's summary prints the advice and the serve line.
+    from kvcal import calibrate
+
+    result = SimpleNamespace(
+        chosen=cand, scale_one=cand, candidates=[cand], samples={"holdout": 8},
+        holdout_tokens=out["tokens"], reference_nll=out["reference_nll"], why="test",
+        skip=advice, platform="per tensor", patch=SimpleNamespace(describe=lambda: "patched"),
+        inspect={}, report=None, serve=serve, timings={}, warnings=[])
+    text = calibrate.summary(result)
+    assert advice.describe()[0] in text and advice.describe()[1] in text
+    assert serve["command"] in text
     # The candidate's own figures are untouched by the extra pass.
     assert cand.evaluation.attention_error.mean(axis=1)[OUTLIER] == per_layer[OUTLIER]
 
@@ -132,6 +153,10 @@ def test_no_outlier_no_advice():
         assert not advice.gain > select.Z * advice.gain_se
     per_layer = cand.evaluation.attention_error.mean(axis=1)
     assert advice.layer_error == pytest.approx(per_layer.tolist())
+    from kvcal import calibrate_output
+
+    serve = calibrate_output.serve_line("/m", cand, "compressed-tensors", advice)
+    assert "skip-layers" not in serve["command"] and not any("dtype (" in n for n in serve["notes"])
 
 
 def test_outliers_rule_and_argument():
