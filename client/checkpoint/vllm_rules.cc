@@ -1,3 +1,9 @@
+// vLLM 0.34's loader rules as code (vllm_rules.h). Over 600 lines on
+// purpose: it is one model of one loader, read side by side with vLLM's
+// source (each rule cites its file and function, kCt*, kBase*, ...), and the
+// three quantization methods' rules share the loaded-tensor and prediction
+// types defined here; split apart, a reader checking a rule against vLLM
+// would have to follow it across files.
 #include "client/checkpoint/vllm_rules.h"
 
 #include <fnmatch.h>
