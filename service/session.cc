@@ -126,63 +126,80 @@ Session::Producer* Session::FindProducer(const std::string& producer_id,
       .first->second.get();
 }
 
+// Device data goes only to a backend that keeps its state on a device, and
+// never as a held-out chunk (held-out chunks live in host memory).
+absl::Status Session::CheckDeviceData(const std::string& what, bool holdout,
+                                      bool device_data,
+                                      const DeviceDataSink* device) const {
+  if (!device_data || (device != nullptr && !holdout)) return absl::OkStatus();
+  if (holdout) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what,
+        ": a held-out chunk cannot be in CUDA IPC memory (the worker keeps "
+        "held-out chunks in host memory); send it in-band or from a SYSTEM "
+        "region"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": its data is in CUDA IPC memory but session '", id_,
+      "' keeps its statistics on the ", backend_->name(), " backend"));
+}
+
+// A held-out chunk, and any chunk of a session with reject_non_finite, is
+// read before anything of it is applied: a refused chunk changes nothing.
+absl::Status Session::CheckFinite(const std::string& what,
+                                  const ChunkView& chunk,
+                                  const ChunkExtent& extent, bool holdout,
+                                  DeviceDataSink* device) const {
+  if (!reject_non_finite_ && !holdout) return absl::OkStatus();
+  absl::StatusOr<ChunkNonFinite> found =
+      device != nullptr
+          ? device->CountNonFiniteDeviceData(chunk)
+          : absl::StatusOr<ChunkNonFinite>(CountNonFinite(chunk, extent));
+  if (!found.ok()) {
+    return absl::Status(found.status().code(),
+                        absl::StrCat(what, ": ", found.status().message()));
+  }
+  if (found->total() == 0) return absl::OkStatus();
+  if (!reject_non_finite_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", DescribeNonFinite(chunk, *found), "; ",
+                     kHoldoutMustBeFinite, ", so nothing of it was kept"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      what, ": ", DescribeNonFinite(chunk, *found), "; session '", id_,
+      "' rejects non-finite values (created with reject_non_finite), so "
+      "nothing of the chunk was applied"));
+}
+
+// Into the held-out store, the host backend, or (finished before the
+// response, so the producer may reuse the memory) the device backend.
+absl::Status Session::Apply(const std::string& producer_name,
+                            uint64_t sequence, const ChunkView& chunk,
+                            bool holdout, DeviceDataSink* device) {
+  if (holdout) {
+    return holdout_.Add(HoldoutChunk::Of(producer_name, sequence, chunk));
+  }
+  if (device == nullptr) return backend_->Accumulate(chunk);
+  KVCAL_RETURN_IF_ERROR(device->AccumulateDeviceData(chunk, nullptr));
+  return device->Synchronize();
+}
+
 absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
                                               uint64_t sequence,
                                               const ChunkView& chunk,
                                               bool holdout, bool device_data) {
   const std::string producer_name = ResolveProducerId(producer_id);
-  auto describe = [&] {
-    return absl::StrCat("chunk ", sequence, " from producer '", producer_name,
-                        "'");
-  };
+  const std::string what = absl::StrCat("chunk ", sequence, " from producer '",
+                                        producer_name, "'");
   absl::StatusOr<ChunkExtent> extent = ValidateChunk(geometry_, chunk);
   if (!extent.ok()) {
     return absl::Status(extent.status().code(),
-                        absl::StrCat(describe(), " (layer ", chunk.layer,
+                        absl::StrCat(what, " (layer ", chunk.layer,
                                      "): ", extent.status().message()));
   }
-  // Device data goes only to a backend that keeps its state on a device.
   DeviceDataSink* const device =
       device_data ? backend_->device_data() : nullptr;
-  if (device_data && (device == nullptr || holdout)) {
-    return holdout ? absl::InvalidArgumentError(absl::StrCat(
-                         describe(),
-                         ": a held-out chunk cannot be in CUDA IPC memory "
-                         "(the worker keeps held-out chunks in host memory); "
-                         "send it in-band or from a SYSTEM region"))
-                   : absl::FailedPreconditionError(
-                         absl::StrCat(describe(),
-                                      ": its data is in CUDA IPC memory but "
-                                      "session '",
-                                      id_, "' keeps its statistics on the ",
-                                      backend_->name(), " backend"));
-  }
-  // A held-out chunk, and any chunk of a session with reject_non_finite, is
-  // read before anything of it is applied, and before a new producer is
-  // registered: a refused chunk changes nothing (the watermark stays, so
-  // resending cannot skip it).
-  auto check_finite = [&]() -> absl::Status {
-    if (!reject_non_finite_ && !holdout) return absl::OkStatus();
-    absl::StatusOr<ChunkNonFinite> found =
-        device != nullptr
-            ? device->CountNonFiniteDeviceData(chunk)
-            : absl::StatusOr<ChunkNonFinite>(CountNonFinite(chunk, *extent));
-    if (!found.ok()) {
-      return absl::Status(
-          found.status().code(),
-          absl::StrCat(describe(), ": ", found.status().message()));
-    }
-    if (found->total() == 0) return absl::OkStatus();
-    if (!reject_non_finite_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(describe(), ": ", DescribeNonFinite(chunk, *found), "; ",
-                       kHoldoutMustBeFinite, ", so nothing of it was kept"));
-    }
-    return absl::InvalidArgumentError(absl::StrCat(
-        describe(), ": ", DescribeNonFinite(chunk, *found), "; session '", id_,
-        "' rejects non-finite values (created with reject_non_finite), so "
-        "nothing of the chunk was applied"));
-  };
+  KVCAL_RETURN_IF_ERROR(CheckDeviceData(what, holdout, device_data, device));
   std::shared_lock<std::shared_mutex> state_lock(state_mu_);
   Producer* producer = FindProducer(producer_name, false);
   bool checked_finite = false;
@@ -197,9 +214,10 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
   if (producer == nullptr) {
     if (sequence != 1) {
       return absl::FailedPreconditionError(absl::StrCat(
-          describe(), ": sequence gap, expected sequence 1 (watermark 0)"));
+          what, ": sequence gap, expected sequence 1 (watermark 0)"));
     }
-    KVCAL_RETURN_IF_ERROR(check_finite());
+    // Checked before a new producer is registered.
+    KVCAL_RETURN_IF_ERROR(CheckFinite(what, chunk, *extent, holdout, device));
     checked_finite = true;
     producer = FindProducer(producer_name, true);
   }
@@ -210,22 +228,18 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
   }
   if (sequence != producer->watermark + 1) {
     return absl::FailedPreconditionError(absl::StrCat(
-        describe(), ": sequence gap, expected sequence ",
-        producer->watermark + 1, " (watermark ", producer->watermark, ")"));
+        what, ": sequence gap, expected sequence ", producer->watermark + 1,
+        " (watermark ", producer->watermark, ")"));
   }
-  if (!checked_finite) KVCAL_RETURN_IF_ERROR(check_finite());
-  auto apply = [&]() -> absl::Status {
-    if (holdout) {
-      return holdout_.Add(HoldoutChunk::Of(producer_name, sequence, chunk));
-    }
-    if (device == nullptr) return backend_->Accumulate(chunk);
-    // Finished before the response, so the producer may reuse the memory.
-    KVCAL_RETURN_IF_ERROR(device->AccumulateDeviceData(chunk, nullptr));
-    return device->Synchronize();
-  };
-  if (absl::Status status = apply(); !status.ok()) {
+  if (!checked_finite) {
+    // The watermark stays on a refusal, so resending cannot skip the chunk.
+    KVCAL_RETURN_IF_ERROR(CheckFinite(what, chunk, *extent, holdout, device));
+  }
+  if (absl::Status status =
+          Apply(producer_name, sequence, chunk, holdout, device);
+      !status.ok()) {
     return absl::Status(status.code(),
-                        absl::StrCat(describe(), ": ", status.message()));
+                        absl::StrCat(what, ": ", status.message()));
   }
   producer->watermark = sequence;
   chunks_applied_.fetch_add(1, std::memory_order_relaxed);

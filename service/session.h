@@ -201,6 +201,16 @@ class Session {
           std::unique_ptr<StatisticsBackend> backend,
           uint64_t holdout_budget_bytes, bool reject_non_finite);
   Producer* FindProducer(const std::string& producer_id, bool create);
+  // Ingest's steps; `what` names the chunk in messages.
+  absl::Status CheckDeviceData(const std::string& what, bool holdout,
+                               bool device_data,
+                               const DeviceDataSink* device) const;
+  absl::Status CheckFinite(const std::string& what, const ChunkView& chunk,
+                           const ChunkExtent& extent, bool holdout,
+                           DeviceDataSink* device) const;
+  absl::Status Apply(const std::string& producer_name, uint64_t sequence,
+                     const ChunkView& chunk, bool holdout,
+                     DeviceDataSink* device);
   std::vector<ProducerInfo> ProducerInfos();
 
   const std::string id_;

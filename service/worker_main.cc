@@ -37,13 +37,16 @@ struct Flags {
   int snapshot_interval_ms = 10000;
 };
 
+using kvcal::cli::InRange;
+using kvcal::cli::IntRange;
+constexpr uint64_t kU64 = std::numeric_limits<uint64_t>::max();
+constexpr uint64_t kI64 = std::numeric_limits<int64_t>::max();
+
 // Every numeric flag is checked at parse time (kvcal::cli::InRange): a
 // value outside its meaning is a usage error naming the flag and the range.
-void AddFlags(CLI::App& app, Flags& f) {
-  using kvcal::cli::InRange;
-  using kvcal::cli::IntRange;
-  constexpr uint64_t kU64 = std::numeric_limits<uint64_t>::max();
-  constexpr uint64_t kI64 = std::numeric_limits<int64_t>::max();
+
+// Where and as whom the worker serves, and on which backend.
+void AddServingFlags(CLI::App& app, Flags& f) {
   app.add_option("--listen", f.options.listen,
                  "host:port to serve on (port 0 picks one)")
       ->check(kvcal::cli::ListenAddress())
@@ -71,6 +74,10 @@ void AddFlags(CLI::App& app, Flags& f) {
                  "run in parallel regardless)")
       ->check(InRange(IntRange{0, 1024, "0 = every core"}))
       ->capture_default_str();
+}
+
+// Sizes, counts and budgets.
+void AddLimitFlags(CLI::App& app, Flags& f) {
   app.add_option("--max-message-bytes", f.options.max_message_bytes,
                  "largest gRPC message accepted")
       ->check(InRange(IntRange{1 << 16, 1 << 30, ""}))
@@ -101,6 +108,24 @@ void AddFlags(CLI::App& app, Flags& f) {
                  "threads applying chunks; 0 = one per core")
       ->check(InRange(IntRange{0, 1024, "0 = one per core"}))
       ->capture_default_str();
+}
+
+// The metrics endpoint (service/metrics.cc) binds IPv4 only: '' when
+// `address` is empty, localhost or an IPv4 address, else why not.
+std::string CheckMetricsHost(const std::string& address) {
+  const std::string host = address.substr(0, address.rfind(':'));
+  in_addr ignored{};
+  if (address.empty() || host == "localhost" ||
+      inet_pton(AF_INET, host.c_str(), &ignored) == 1) {
+    return "";
+  }
+  return "'" + host +
+         "' is not an IPv4 address (the metrics endpoint serves IPv4: "
+         "0.0.0.0 for every interface, 127.0.0.1 for this host only)";
+}
+
+// Tokens, TLS and the metrics endpoint.
+void AddSecurityFlags(CLI::App& app, Flags& f) {
   app.add_option("--auth-token-file", f.options.auth_token_file,
                  "file of 'tenant:token' or 'token' lines; RPCs then need "
                  "'authorization: Bearer <token>'");
@@ -117,20 +142,12 @@ void AddFlags(CLI::App& app, Flags& f) {
                  "host:port for Prometheus /metrics (off when empty)")
       ->check(kvcal::cli::ListenAddress(/*allow_empty=*/true))
       ->check(CLI::Validator(
-          [](std::string& address) -> std::string {
-            // The metrics endpoint (service/metrics.cc) binds IPv4 only.
-            const std::string host = address.substr(0, address.rfind(':'));
-            in_addr ignored{};
-            if (address.empty() || host == "localhost" ||
-                inet_pton(AF_INET, host.c_str(), &ignored) == 1) {
-              return "";
-            }
-            return "'" + host +
-                   "' is not an IPv4 address (the metrics endpoint serves "
-                   "IPv4: 0.0.0.0 for every interface, 127.0.0.1 for this "
-                   "host only)";
-          },
+          [](std::string& address) { return CheckMetricsHost(address); },
           "IPv4"));
+}
+
+// Durability, shared memory and the process's own life.
+void AddStateFlags(CLI::App& app, Flags& f) {
   app.add_option("--state-dir", f.options.state_dir,
                  "keep sessions durable in this directory (restored at start)");
   app.add_option("--snapshot-interval-ms", f.snapshot_interval_ms,
@@ -157,6 +174,13 @@ void AddFlags(CLI::App& app, Flags& f) {
                  "how long in-flight RPCs may run after SIGTERM")
       ->check(InRange(IntRange{0, 3600000, ""}))
       ->capture_default_str();
+}
+
+void AddFlags(CLI::App& app, Flags& f) {
+  AddServingFlags(app, f);
+  AddLimitFlags(app, f);
+  AddSecurityFlags(app, f);
+  AddStateFlags(app, f);
   kvcal::cli::AddVersionFlag(app);
 }
 
