@@ -173,9 +173,9 @@ absl::Status Session::CheckFinite(const std::string& what,
 
 // Into the held-out store, the host backend, or (finished before the
 // response, so the producer may reuse the memory) the device backend.
-absl::Status Session::Apply(const std::string& producer_name,
-                            uint64_t sequence, const ChunkView& chunk,
-                            bool holdout, DeviceDataSink* device) {
+absl::Status Session::Apply(const std::string& producer_name, uint64_t sequence,
+                            const ChunkView& chunk, bool holdout,
+                            DeviceDataSink* device) {
   if (holdout) {
     return holdout_.Add(HoldoutChunk::Of(producer_name, sequence, chunk));
   }
@@ -189,8 +189,8 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
                                               const ChunkView& chunk,
                                               bool holdout, bool device_data) {
   const std::string producer_name = ResolveProducerId(producer_id);
-  const std::string what = absl::StrCat("chunk ", sequence, " from producer '",
-                                        producer_name, "'");
+  const std::string what =
+      absl::StrCat("chunk ", sequence, " from producer '", producer_name, "'");
   absl::StatusOr<ChunkExtent> extent = ValidateChunk(geometry_, chunk);
   if (!extent.ok()) {
     return absl::Status(extent.status().code(),

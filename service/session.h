@@ -158,9 +158,10 @@ class Session {
 
   // Merges an exported state (same geometry, else InvalidArgument and nothing
   // changes; a state with NaN or Inf in a held-out chunk, or anywhere for a
-  // session with reject_non_finite, is refused the same way). With a non-empty import_id that this session already applied,
-  // nothing changes. Statistics merge, counters add, each producer's
-  // watermark becomes the larger of the two.
+  // session with reject_non_finite, is refused the same way). With a non-empty
+  // import_id that this session already applied, nothing changes. Statistics
+  // merge, counters add, each producer's watermark becomes the larger of the
+  // two.
   absl::Status Merge(const SessionSnapshot& snapshot,
                      absl::string_view import_id);
 

@@ -141,8 +141,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
           return absl::AlreadyExistsError(absl::StrCat(
               "session '", id, "' exists with reject_non_finite ",
               it->second->reject_non_finite() ? "true" : "false",
-              "; requested ",
-              parameters.reject_non_finite ? "true" : "false",
+              "; requested ", parameters.reject_non_finite ? "true" : "false",
               " (fixed at creation: delete the session or use another id)"));
         }
         KVCAL_RETURN_IF_ERROR(it->second->AdoptShardMap(shard_map));

@@ -57,8 +57,7 @@ void AddServingFlags(CLI::App& app, Flags& f) {
                  "[A-Za-z0-9._-]{1,128}")
       ->check(CLI::Validator(
           [](std::string& id) -> std::string {
-            return std::string(
-                kvcal::service::ValidateWorkerId(id).message());
+            return std::string(kvcal::service::ValidateWorkerId(id).message());
           },
           "ID"));
   app.add_option("--backend", f.backend,
@@ -129,8 +128,8 @@ void AddSecurityFlags(CLI::App& app, Flags& f) {
   app.add_option("--auth-token-file", f.options.auth_token_file,
                  "file of 'tenant:token' or 'token' lines; RPCs then need "
                  "'authorization: Bearer <token>'");
-  CLI::Option* tls_cert = app.add_option(
-      "--tls-cert", f.options.tls_cert, "PEM server certificate chain");
+  CLI::Option* tls_cert = app.add_option("--tls-cert", f.options.tls_cert,
+                                         "PEM server certificate chain");
   CLI::Option* tls_key =
       app.add_option("--tls-key", f.options.tls_key, "PEM server private key");
   tls_cert->needs(tls_key);

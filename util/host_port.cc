@@ -66,8 +66,8 @@ absl::StatusOr<int> ParsePort(absl::string_view text,
 
 bool HasTargetScheme(absl::string_view target) {
   if (absl::StartsWith(target, "dns:///")) return false;
-  for (absl::string_view scheme : {"unix:", "unix-abstract:", "ipv4:",
-                                   "ipv6:", "vsock:", "xds:", "dns:"}) {
+  for (absl::string_view scheme : {"unix:", "unix-abstract:", "ipv4:", "ipv6:",
+                                   "vsock:", "xds:", "dns:"}) {
     if (absl::StartsWith(target, scheme)) return true;
   }
   return false;
@@ -99,8 +99,8 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text,
     }
     out.host = std::string(text.substr(1, close - 1));
     if (!IsIpv6(out.host)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "'", out.host, "' in brackets is not an IPv6 address"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", out.host, "' in brackets is not an IPv6 address"));
     }
     const absl::string_view rest = text.substr(close + 1);
     if (!rest.empty()) {
@@ -115,9 +115,11 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text,
     const size_t colon = text.rfind(':');
     if (colon != absl::string_view::npos &&
         text.find(':') != colon) {  // two or more colons: bare IPv6
-      return absl::InvalidArgumentError(absl::StrCat(
-          "'", text, "': an IPv6 address goes in brackets, followed by the "
-          "port, e.g. [::1]:", kDefaultPort));
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", text,
+                       "': an IPv6 address goes in brackets, followed by the "
+                       "port, e.g. [::1]:",
+                       kDefaultPort));
     }
     if (colon != absl::string_view::npos) {
       has_port = true;
@@ -148,9 +150,9 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text,
     out.port = rules.default_port;
     out.port_defaulted = true;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "'", text, "' has no port: want ", want, ", e.g. ",
-        HostPort{out.host, kDefaultPort, false}.ToString()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", text, "' has no port: want ", want, ", e.g. ",
+                     HostPort{out.host, kDefaultPort, false}.ToString()));
   }
   return out;
 }

@@ -28,8 +28,39 @@ after loading, `quant_method.process_weights_after_loading` turned the
 The parameters stay registered but nothing reads them after loading
 (compressed-tensors' buffers share their storage). `update_attention_scales`
 rewrites all of these exactly as loading the same scales from a checkpoint
-would have left them, see its docstring. `scales_for_vllm` only renames scales
+would have left them (below). `scales_for_vllm` only renames scales
 to the parameter names vLLM loads a checkpoint into.
+
+What update_attention_scales writes
+-----------------------------------
+
+For each (layer, role) the scales name, it writes the buffer `_{r}_scale`
+with `.copy_()` on the buffer's own device and dtype (the tensor objects
+stay the same, so CUDA graphs that captured them see the new values), the
+float `_{r}_scale_float`, for k and v `_{r}_scale_cpu` (`.fill_()`), and
+the loading parameter `{r}_scale`, all exactly as vLLM's
+`process_weights_after_loading` leaves them after loading the same scales
+from a checkpoint:
+
+- compressed-tensors `tensor`: the value itself.
+- compressed-tensors `attn_head`: this rank's KV heads (ranks hold
+  consecutive heads; with fewer KV heads than ranks each is replicated on
+  tp_size/KV consecutive ranks), q first reduced to one scale per KV
+  group by max over num_attention_heads/num_key_value_heads consecutive
+  query heads; floats are the maximum.
+- ModelOpt, Quark, fp8 (BaseKVCacheMethod): one value per role; times 2
+  on fnuz. k and v only where the KV cache is quantized (vLLM ignores
+  them on a bf16/fp16 cache and on per-token-head caches: refused here).
+
+Decisions where a checkpoint has no answer:
+- A role the scales do not name is left as it is (q, typically). A
+  checkpoint without q would load q = 1.0 instead; pass q to change it.
+- One value per tensor for a per-head layer applies to every head (the
+  layer then holds what an attn_head checkpoint with equal heads loads).
+- Per-head scales for a per-tensor layer are refused: one scale from many
+  heads depends on the observer; finalize with granularity="tensor".
+- q holding one value per KV group (kvcal's `q_per_kv_group`) is accepted
+  as already reduced.
 """
 from __future__ import annotations
 
@@ -160,33 +191,8 @@ def update_attention_scales(model_or_layers: Any, scales: Mapping, *,
       has several stacks of them (a vision tower and a language model).
     partial: allow model layers that the scales do not name (left as they are).
 
-    For each (layer, role) the scales name, it writes the buffer `_{r}_scale`
-    with `.copy_()` on the buffer's own device and dtype (the tensor objects
-    stay the same, so CUDA graphs that captured them see the new values), the
-    float `_{r}_scale_float`, for k and v `_{r}_scale_cpu` (`.fill_()`), and
-    the loading parameter `{r}_scale`, all exactly as vLLM's
-    `process_weights_after_loading` leaves them after loading the same scales
-    from a checkpoint:
-
-    - compressed-tensors `tensor`: the value itself.
-    - compressed-tensors `attn_head`: this rank's KV heads (ranks hold
-      consecutive heads; with fewer KV heads than ranks each is replicated on
-      tp_size/KV consecutive ranks), q first reduced to one scale per KV
-      group by max over num_attention_heads/num_key_value_heads consecutive
-      query heads; floats are the maximum.
-    - ModelOpt, Quark, fp8 (BaseKVCacheMethod): one value per role; times 2
-      on fnuz. k and v only where the KV cache is quantized (vLLM ignores
-      them on a bf16/fp16 cache and on per-token-head caches: refused here).
-
-    Decisions where a checkpoint has no answer:
-    - A role the scales do not name is left as it is (q, typically). A
-      checkpoint without q would load q = 1.0 instead; pass q to change it.
-    - One value per tensor for a per-head layer applies to every head (the
-      layer then holds what an attn_head checkpoint with equal heads loads).
-    - Per-head scales for a per-tensor layer are refused: one scale from many
-      heads depends on the observer; finalize with granularity="tensor".
-    - q holding one value per KV group (kvcal's `q_per_kv_group`) is accepted
-      as already reduced.
+    What it writes for each method, and its decisions where a checkpoint
+    has no answer: the module docs ("What update_attention_scales writes").
 
     Nothing is written unless everything is valid: a scale that is not finite
     and > 0 (in float32, and after doubling), a shape or head count that does
@@ -202,17 +208,7 @@ def update_attention_scales(model_or_layers: Any, scales: Mapping, *,
     """
     layers = _attention_layers(model_or_layers, prefix)
     per_layer = _scales_by_layer(scales)
-    granularity = getattr(scales, "granularity", None)
-
-    unknown = sorted(set(per_layer) - set(layers))
-    if unknown:
-        raise ValueError(f"kvcal: the scales name layers {unknown} that the model does not have "
-                         f"(its attention layers: {_ranges(sorted(layers))}); nothing was changed")
-    missing = sorted(set(layers) - set(per_layer))
-    if missing and not partial:
-        raise ValueError(f"kvcal: the scales do not name layers {_ranges(missing)} of the model; "
-                         f"pass partial=True to leave them as they are; nothing was changed")
-
+    _check_layers_named(layers, per_layer, partial)
     if tp_rank is not None or tp_size is not None:
         tp_rank, tp_size = _check_tp(tp_rank, tp_size)
     writes: List[_Write] = []
@@ -220,21 +216,12 @@ def update_attention_scales(model_or_layers: Any, scales: Mapping, *,
     stale_products: List[str] = []
     for index in sorted(per_layer):
         name, layer = layers[index]
-        method = _loading_method(name, layer, quant_method)
-        layout = _Layout(index, name, layer, method)
-        roles = per_layer[index]
-        if layout.per_head and tp_size is None:
-            tp_rank, tp_size = _vllm_tensor_parallel(name)
-        if layout.per_head:
-            layout.place(tp_rank, tp_size, roles)
-        if method == BASE_KV_CACHE:
-            if fnuz is None:
-                fnuz = _platform_is_fp8_fnuz()
-            layout.fnuz = bool(fnuz)
+        layout, tp_rank, tp_size, fnuz = _layout_of(index, name, layer, quant_method,
+                                                    per_layer[index], tp_rank, tp_size, fnuz)
         for role in ROLES:
-            if role not in roles:
+            if role not in per_layer[index]:
                 continue
-            plan = layout.plan(role, roles[role], granularity)
+            plan = layout.plan(role, per_layer[index][role], getattr(scales, "granularity", None))
             writes.extend(plan.writes)
             changes.append(ScaleChange(index, name, role, plan.old, plan.new))
         impl = getattr(layer, "impl", None)
@@ -248,6 +235,35 @@ def update_attention_scales(model_or_layers: Any, scales: Mapping, *,
                       "forward (impl.bmm1_scale/bmm2_scale); the new scales do not reach those "
                       "kernels", RuntimeWarning, stacklevel=2)
     return changes
+
+
+def _check_layers_named(layers: dict, per_layer: dict, partial: bool) -> None:
+    """ValueError when the scales name a layer the model lacks, or (unless
+    `partial`) leave one of the model's layers out."""
+    unknown = sorted(set(per_layer) - set(layers))
+    if unknown:
+        raise ValueError(f"kvcal: the scales name layers {unknown} that the model does not have "
+                         f"(its attention layers: {_ranges(sorted(layers))}); nothing was changed")
+    missing = sorted(set(layers) - set(per_layer))
+    if missing and not partial:
+        raise ValueError(f"kvcal: the scales do not name layers {_ranges(missing)} of the model; "
+                         f"pass partial=True to leave them as they are; nothing was changed")
+
+
+def _layout_of(index, name, layer, quant_method, roles, tp_rank, tp_size, fnuz):
+    """The layer's _Layout, placed on this tensor-parallel rank where it is
+    per head; returns it with tp_rank, tp_size and fnuz as now known."""
+    method = _loading_method(name, layer, quant_method)
+    layout = _Layout(index, name, layer, method)
+    if layout.per_head and tp_size is None:
+        tp_rank, tp_size = _vllm_tensor_parallel(name)
+    if layout.per_head:
+        layout.place(tp_rank, tp_size, roles)
+    if method == BASE_KV_CACHE:
+        if fnuz is None:
+            fnuz = _platform_is_fp8_fnuz()
+        layout.fnuz = bool(fnuz)
+    return layout, tp_rank, tp_size, fnuz
 
 
 # -- finding layers and scales -----------------------------------------------
