@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
 #include "util/file_io.h"
+#include "util/status_macros.h"
 
 namespace kvcal {
 namespace {
@@ -152,6 +153,131 @@ CheckpointLock& CheckpointLock::operator=(CheckpointLock&& other) noexcept {
   return *this;
 }
 
+namespace {
+
+absl::Status CheckIsDirectory(const std::string& checkpoint_dir) {
+  struct stat dir_stat;
+  if (::stat(checkpoint_dir.c_str(), &dir_stat) == 0 &&
+      S_ISDIR(dir_stat.st_mode)) {
+    return absl::OkStatus();
+  }
+  const bool exists = ::access(checkpoint_dir.c_str(), F_OK) == 0;
+  return absl::NotFoundError(
+      exists
+          ? absl::StrCat("checkpoint ", checkpoint_dir, " is not a directory")
+          : absl::StrCat("checkpoint directory ", checkpoint_dir,
+                         " not found"));
+}
+
+// One try at opening the lock file: kRetry when a releasing holder removed
+// the staging directory or the file meanwhile, kNobodyCanWrite when a reader
+// finds the checkpoint read-only (no lock needed), else the open file.
+struct LockFile {
+  enum Kind { kRetry, kNobodyCanWrite, kOpened } kind = kRetry;
+  int fd = -1;
+};
+
+absl::StatusOr<LockFile> OpenLockFile(const std::string& checkpoint_dir,
+                                      const std::string& staging,
+                                      const std::string& lock_path,
+                                      bool shared) {
+  if (::mkdir(staging.c_str(), 0755) != 0 && errno != EEXIST) {
+    const int err = errno;
+    if (shared && ReadOnlyError(err))
+      return LockFile{LockFile::kNobodyCanWrite};
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot lock checkpoint ", checkpoint_dir, ": cannot create ", staging,
+        ": ", std::strerror(err), NotWritableHint(err)));
+  }
+  struct stat st;
+  if (::lstat(staging.c_str(), &st) != 0) {
+    if (errno == ENOENT) return LockFile{LockFile::kRetry};
+    return ErrnoError("cannot examine", staging,
+                      absl::StatusCode::kFailedPrecondition);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        staging,
+        " exists and is not a directory; kvcal keeps its lock and staged "
+        "files there: move it away and run again"));
+  }
+  int fd = ::open(lock_path.c_str(),
+                  O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+  if (fd < 0 && shared && ReadOnlyError(errno)) {
+    fd = ::open(lock_path.c_str(),
+                O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0 && errno == ENOENT) return LockFile{LockFile::kNobodyCanWrite};
+  }
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return LockFile{LockFile::kRetry};
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot lock checkpoint ", checkpoint_dir, ": cannot open ", lock_path,
+        ": ",
+        err == ELOOP ? "it is a symbolic link (kvcal's lock file is a "
+                       "plain file: remove it)"
+                     : std::strerror(err),
+        NotWritableHint(err)));
+  }
+  struct stat lock_stat;
+  if (::fstat(fd, &lock_stat) != 0 || !S_ISREG(lock_stat.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot lock checkpoint ", checkpoint_dir, ": ", lock_path,
+        " is not a regular file (kvcal's lock file is a plain file: remove "
+        "it)"));
+  }
+  return LockFile{LockFile::kOpened, fd};
+}
+
+// A writer that got the lock: the previous holder's line, if any, names a
+// dead holder (returned in `stale`); this process's line replaces it.
+absl::Status WriteHolder(int fd, const std::string& lock_path,
+                         std::string* stale) {
+  const std::string previous = ReadHolderLine(fd);
+  if (!previous.empty()) *stale = ParseLockHolder(previous).Describe();
+  const std::string line = HolderLine();
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, line.data(), line.size(), 0) !=
+                                     static_cast<ssize_t>(line.size())) {
+    const int err = errno;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot write the lock file ", lock_path, ": ", std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+// Who holds the lock `fd` could not get; `identified` when a live holder
+// wrote its name (so waiting longer tells nothing new).
+std::string DescribeHolder(int fd, bool shared, bool* identified) {
+  *identified = false;
+  if (!shared && ::flock(fd, LOCK_SH | LOCK_NB) == 0) {
+    ::flock(fd, LOCK_UN);
+    return "another kvcal process reading it (`kvcal patch --out` or "
+           "`kvcal calibrate --out` copying it, or `kvcal inspect`)";
+  }
+  const LockHolder holder = ParseLockHolder(ReadHolderLine(fd));
+  *identified = holder.known && !holder.GoneFromThisHost();
+  if (*identified || (!holder.known && !holder.raw.empty())) {
+    return holder.Describe();
+  }
+  return "another process that has not written its name yet";
+}
+
+absl::Status LockedError(const std::string& checkpoint_dir,
+                         const std::string& who, absl::Duration timeout,
+                         const std::string& lock_path) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "checkpoint ", checkpoint_dir, " is locked by ", who, "; ",
+      timeout > absl::ZeroDuration()
+          ? absl::StrCat("waited ", absl::FormatDuration(timeout), " for it")
+          : "not waiting for it (--lock-timeout 0)",
+      ". Run again when it has finished, or pass --lock-timeout SECONDS to "
+      "wait (lock file ",
+      lock_path, ")"));
+}
+
+}  // namespace
+
 absl::StatusOr<CheckpointLock> CheckpointLock::Acquire(
     const std::string& checkpoint_dir, const CheckpointLockOptions& options) {
   CheckpointLock lock;
@@ -159,16 +285,7 @@ absl::StatusOr<CheckpointLock> CheckpointLock::Acquire(
   lock.lock_path_ = CheckpointLockPath(checkpoint_dir);
   lock.shared_ = options.shared;
   const std::string staging = PatchStagingPath(checkpoint_dir);
-  struct stat dir_stat;
-  if (::stat(checkpoint_dir.c_str(), &dir_stat) != 0 ||
-      !S_ISDIR(dir_stat.st_mode)) {
-    const bool exists = ::access(checkpoint_dir.c_str(), F_OK) == 0;
-    return absl::NotFoundError(
-        exists
-            ? absl::StrCat("checkpoint ", checkpoint_dir, " is not a directory")
-            : absl::StrCat("checkpoint directory ", checkpoint_dir,
-                           " not found"));
-  }
+  KVCAL_RETURN_IF_ERROR(CheckIsDirectory(checkpoint_dir));
   const absl::Time start = absl::Now();
   const absl::Time deadline =
       start + std::max(options.timeout, absl::ZeroDuration());
@@ -180,74 +297,21 @@ absl::StatusOr<CheckpointLock> CheckpointLock::Acquire(
   absl::Duration poll = absl::Milliseconds(5);
   bool told = false;
   while (true) {
-    if (::mkdir(staging.c_str(), 0755) != 0 && errno != EEXIST) {
-      const int err = errno;
-      if (options.shared && ReadOnlyError(err))
-        return lock;  // nobody can write
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cannot lock checkpoint ", checkpoint_dir, ": cannot create ",
-          staging, ": ", std::strerror(err), NotWritableHint(err)));
-    }
-    struct stat st;
-    if (::lstat(staging.c_str(), &st) != 0) {
-      if (errno == ENOENT) continue;  // a releasing holder removed it
-      return ErrnoError("cannot examine", staging,
-                        absl::StatusCode::kFailedPrecondition);
-    }
-    if (!S_ISDIR(st.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          staging,
-          " exists and is not a directory; kvcal keeps its lock and staged "
-          "files there: move it away and run again"));
-    }
-    int fd =
-        ::open(lock.lock_path_.c_str(),
-               O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
-    if (fd < 0 && options.shared && ReadOnlyError(errno)) {
-      fd = ::open(lock.lock_path_.c_str(),
-                  O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-      if (fd < 0 && errno == ENOENT) return lock;  // nobody can write
-    }
-    if (fd < 0) {
-      const int err = errno;
-      if (err == ENOENT) continue;  // .kvcal-patch was just removed
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cannot lock checkpoint ", checkpoint_dir, ": cannot open ",
-          lock.lock_path_, ": ",
-          err == ELOOP ? "it is a symbolic link (kvcal's lock file is a "
-                         "plain file: remove it)"
-                       : std::strerror(err),
-          NotWritableHint(err)));
-    }
-    FileDescriptor guard(fd);
-    struct stat lock_stat;
-    if (::fstat(fd, &lock_stat) != 0 || !S_ISREG(lock_stat.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cannot lock checkpoint ", checkpoint_dir, ": ", lock.lock_path_,
-          " is not a regular file (kvcal's lock file is a plain "
-          "file: remove it)"));
-    }
-    if (::flock(fd, (options.shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0) {
+    KVCAL_ASSIGN_OR_RETURN(
+        LockFile file,
+        OpenLockFile(checkpoint_dir, staging, lock.lock_path_, options.shared));
+    if (file.kind == LockFile::kNobodyCanWrite) return lock;
+    if (file.kind == LockFile::kRetry) continue;
+    FileDescriptor guard(file.fd);
+    if (::flock(file.fd, (options.shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0) {
       // A releasing holder unlinks the file while holding it: locking an
       // unlinked file locks nothing.
-      if (!SameInode(fd, lock.lock_path_)) continue;
+      if (!SameInode(file.fd, lock.lock_path_)) continue;
       if (!options.shared) {
-        const std::string previous = ReadHolderLine(fd);
-        if (!previous.empty()) {
-          // Held by nobody, yet named: its holder died.
-          lock.stale_holder_ = ParseLockHolder(previous).Describe();
-        }
-        const std::string line = HolderLine();
-        if (::ftruncate(fd, 0) != 0 ||
-            ::pwrite(fd, line.data(), line.size(), 0) !=
-                static_cast<ssize_t>(line.size())) {
-          const int err = errno;
-          return absl::FailedPreconditionError(
-              absl::StrCat("cannot write the lock file ", lock.lock_path_, ": ",
-                           std::strerror(err)));
-        }
+        KVCAL_RETURN_IF_ERROR(
+            WriteHolder(file.fd, lock.lock_path_, &lock.stale_holder_));
       }
-      lock.fd_ = fd;
+      lock.fd_ = file.fd;
       (void)guard.Release();
       return lock;
     }
@@ -255,32 +319,12 @@ absl::StatusOr<CheckpointLock> CheckpointLock::Acquire(
       return ErrnoError("cannot lock", lock.lock_path_,
                         absl::StatusCode::kFailedPrecondition);
     }
-    // Held by another process: by whom?
-    std::string who;
     bool identified = false;
-    if (!options.shared && ::flock(fd, LOCK_SH | LOCK_NB) == 0) {
-      ::flock(fd, LOCK_UN);
-      who =
-          "another kvcal process reading it (`kvcal patch --out` or "
-          "`kvcal calibrate --out` copying it, or `kvcal inspect`)";
-    } else {
-      const LockHolder holder = ParseLockHolder(ReadHolderLine(fd));
-      identified = holder.known && !holder.GoneFromThisHost();
-      who = identified ? holder.Describe()
-                       : "another process that has not written its name yet";
-      if (!holder.known && !holder.raw.empty()) who = holder.Describe();
-    }
+    const std::string who =
+        DescribeHolder(file.fd, options.shared, &identified);
     const absl::Time now = absl::Now();
     if (now >= deadline && (identified || now >= grace)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint ", checkpoint_dir, " is locked by ", who, "; ",
-          options.timeout > absl::ZeroDuration()
-              ? absl::StrCat("waited ", absl::FormatDuration(options.timeout),
-                             " for it")
-              : "not waiting for it (--lock-timeout 0)",
-          ". Run again when it has finished, or pass --lock-timeout SECONDS "
-          "to wait (lock file ",
-          lock.lock_path_, ")"));
+      return LockedError(checkpoint_dir, who, options.timeout, lock.lock_path_);
     }
     if (!told && options.on_wait && options.timeout > absl::ZeroDuration()) {
       options.on_wait(who);

@@ -36,9 +36,9 @@ bool IsSet(const Json& config, const char* key) {
 // even when config.json leaves kv_lora_rank out, which their transformers
 // config classes then default (512 for deepseek_v2/v3).
 constexpr const char* kMlaModelTypes[] = {
-    "deepseek_v2", "deepseek_v3",     "deepseek_v32",  "deepseek_mtp",
-    "kimi_k2",     "kimi_linear",     "glm4_moe_lite", "glm_moe_dsa",
-    "axk1",        "longcat_flash",   "mistral_large_4", "pangu_ultra_moe",
+    "deepseek_v2", "deepseek_v3",   "deepseek_v32",    "deepseek_mtp",
+    "kimi_k2",     "kimi_linear",   "glm4_moe_lite",   "glm_moe_dsa",
+    "axk1",        "longcat_flash", "mistral_large_4", "pangu_ultra_moe",
 };
 
 // layer_types entries that are ordinary softmax attention over per-head K
@@ -57,20 +57,19 @@ constexpr const char* kHybridLayoutKeys[] = {
     "attn_layer_offset",       "hybrid_layer_ids",   "linear_attn_config",
     "full_attn_idxs",          "full_attention_idx"};
 
-// InvalidArgument when `config` describes attention kvcal does not
-// calibrate: geometry read from it would be wrong, never just incomplete.
-// The message names the key that says so.
-absl::Status CheckAttentionKind(const Json& config) {
-  auto refuse = [](const std::string& key, absl::string_view why) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.json: ", key, ": ", why));
-  };
+absl::Status Refuse(const std::string& key, absl::string_view why) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("config.json: ", key, ": ", why));
+}
+
+// Multi-head latent attention and split RoPE/non-RoPE or value head sizes.
+absl::Status CheckLatentAttention(const Json& config) {
   constexpr absl::string_view kMla =
       "DeepSeek-style multi-head latent attention (kv_lora_rank) is not "
       "supported yet (vLLM caches one compressed latent per token, not per "
       "head K and V)";
   if (IsSet(config, "kv_lora_rank")) {
-    return refuse(absl::StrCat("kv_lora_rank ", config["kv_lora_rank"].dump()),
+    return Refuse(absl::StrCat("kv_lora_rank ", config["kv_lora_rank"].dump()),
                   kMla);
   }
   // (An explicit null kv_lora_rank is no latent: the checks below decide.)
@@ -79,46 +78,57 @@ absl::Status CheckAttentionKind(const Json& config) {
     const std::string type = config["model_type"].get<std::string>();
     for (const char* mla : kMlaModelTypes) {
       if (type == mla) {
-        return refuse(absl::StrCat("model_type \"", type, "\""), kMla);
+        return Refuse(absl::StrCat("model_type \"", type, "\""), kMla);
       }
     }
   }
   for (const char* key : {"qk_rope_head_dim", "qk_nope_head_dim"}) {
     if (IsSet(config, key)) {
-      return refuse(key,
+      return Refuse(key,
                     "attention with separate RoPE and non-RoPE query/key "
                     "parts (DeepSeek style) is not supported yet");
     }
   }
   if (IsSet(config, "v_head_dim") &&
-      !(IsSet(config, "head_dim") && config["head_dim"] == config["v_head_dim"])) {
-    return refuse(
+      !(IsSet(config, "head_dim") &&
+        config["head_dim"] == config["v_head_dim"])) {
+    return Refuse(
         absl::StrCat("v_head_dim ", config["v_head_dim"].dump()),
         "values with a head size other than the keys' (head_dim) are not "
         "supported");
   }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCrossAttention(const Json& config) {
   if (config.contains("is_encoder_decoder") &&
       config["is_encoder_decoder"] == true) {
-    return refuse("is_encoder_decoder",
+    return Refuse("is_encoder_decoder",
                   "encoder-decoder models (cross-attention, an encoder "
                   "without a KV cache) are not supported");
   }
   if (config.contains("add_cross_attention") &&
       config["add_cross_attention"] == true) {
-    return refuse("add_cross_attention",
+    return Refuse("add_cross_attention",
                   "decoders with cross-attention are not supported");
   }
   if (config.contains("cross_attention_layers") &&
       config["cross_attention_layers"].is_array() &&
       !config["cross_attention_layers"].empty()) {
-    return refuse("cross_attention_layers",
+    return Refuse("cross_attention_layers",
                   "models with cross-attention layers are not supported");
   }
+  return absl::OkStatus();
+}
+
+// layer_types and its spellings: every layer softmax attention, one entry
+// per layer.
+absl::Status CheckLayerTypes(const Json& config) {
   for (const char* key : {"layer_types", "layers_block_type", "block_types"}) {
     if (!IsSet(config, key)) continue;
     const Json& types = config[key];
     if (!types.is_array()) {
-      return refuse(key, absl::StrCat("is ", types.dump(), ", not a list"));
+      return Refuse(key, absl::StrCat("is ", types.dump(), ", not a list"));
     }
     for (size_t i = 0; i < types.size(); ++i) {
       bool attention = false;
@@ -128,7 +138,7 @@ absl::Status CheckAttentionKind(const Json& config) {
         }
       }
       if (!attention) {
-        return refuse(
+        return Refuse(
             absl::StrCat(key, "[", i, "] ", types[i].dump()),
             "models with layers other than softmax attention (linear "
             "attention, Mamba or other state-space, convolution or hybrid "
@@ -142,16 +152,21 @@ absl::Status CheckAttentionKind(const Json& config) {
         config["num_hidden_layers"].is_number_integer() &&
         config["num_hidden_layers"].get<int64_t>() !=
             static_cast<int64_t>(types.size())) {
-      return refuse(key, absl::StrCat("has ", types.size(),
-                                      " entries for num_hidden_layers ",
-                                      config["num_hidden_layers"].dump(),
-                                      " layers"));
+      return Refuse(
+          key,
+          absl::StrCat("has ", types.size(), " entries for num_hidden_layers ",
+                       config["num_hidden_layers"].dump(), " layers"));
     }
   }
+  return absl::OkStatus();
+}
+
+// Shared KV caches, hybrid layouts and Mamba layers.
+absl::Status CheckHybrid(const Json& config) {
   if (config.contains("num_kv_shared_layers") &&
       config["num_kv_shared_layers"].is_number() &&
       config["num_kv_shared_layers"] != 0) {
-    return refuse(
+    return Refuse(
         absl::StrCat("num_kv_shared_layers ",
                      config["num_kv_shared_layers"].dump()),
         "layers that read another layer's KV cache (Gemma 3n style) are not "
@@ -159,19 +174,29 @@ absl::Status CheckAttentionKind(const Json& config) {
   }
   for (const char* key : kHybridLayoutKeys) {
     if (IsSet(config, key)) {
-      return refuse(key,
+      return Refuse(key,
                     "hybrid models whose layers are not all softmax attention "
                     "are not supported yet");
     }
   }
   for (const auto& [key, value] : config.items()) {
     if (absl::StartsWith(key, "mamba") && !value.is_null()) {
-      return refuse(key,
+      return Refuse(key,
                     "models with Mamba (state-space) layers are not "
                     "supported yet");
     }
   }
   return absl::OkStatus();
+}
+
+// InvalidArgument when `config` describes attention kvcal does not
+// calibrate: geometry read from it would be wrong, never just incomplete.
+// The message names the key that says so.
+absl::Status CheckAttentionKind(const Json& config) {
+  KVCAL_RETURN_IF_ERROR(CheckLatentAttention(config));
+  KVCAL_RETURN_IF_ERROR(CheckCrossAttention(config));
+  KVCAL_RETURN_IF_ERROR(CheckLayerTypes(config));
+  return CheckHybrid(config);
 }
 
 }  // namespace
