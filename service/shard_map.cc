@@ -7,14 +7,6 @@
 #include "util/strings.h"
 
 namespace kvcal::service {
-namespace {
-
-std::string List(absl::Span<const std::string> ids) {
-  return absl::StrCat("[", absl::StrJoin(ids, ", "), "]");
-}
-
-}  // namespace
-
 absl::Status ValidateWorkerId(absl::string_view id) {
   const bool ok = !id.empty() && id.size() <= 128 &&
                   FirstNonIdentifierChar(id) == absl::string_view::npos;
@@ -39,7 +31,7 @@ absl::Status ValidateShardMap(const ShardMap& map, uint32_t num_layers) {
     if (i > 0 && !(map.worker_ids[i - 1] < map.worker_ids[i])) {
       return absl::InvalidArgumentError(
           absl::StrCat("shard map worker ids must be sorted and unique; got ",
-                       List(map.worker_ids)));
+                       IdList(map.worker_ids)));
     }
   }
   if (map.layer_owners.size() != num_layers) {
@@ -57,26 +49,6 @@ absl::Status ValidateShardMap(const ShardMap& map, uint32_t num_layers) {
   return absl::OkStatus();
 }
 
-std::string DescribeWorkerSetChange(absl::Span<const std::string> session_ids,
-                                    absl::Span<const std::string> other_ids) {
-  std::vector<std::string> a(session_ids.begin(), session_ids.end());
-  std::vector<std::string> b(other_ids.begin(), other_ids.end());
-  std::sort(a.begin(), a.end());
-  std::sort(b.begin(), b.end());
-  std::vector<std::string> added, missing;
-  std::set_difference(b.begin(), b.end(), a.begin(), a.end(),
-                      std::back_inserter(added));
-  std::set_difference(a.begin(), a.end(), b.begin(), b.end(),
-                      std::back_inserter(missing));
-  std::vector<std::string> parts;
-  if (!added.empty()) parts.push_back(absl::StrCat("added ", List(added)));
-  if (!missing.empty()) {
-    parts.push_back(absl::StrCat("missing ", List(missing)));
-  }
-  if (parts.empty()) parts.push_back("same ids, different layer owners");
-  return absl::StrJoin(parts, ", ");
-}
-
 absl::Status CheckWorkerSet(absl::string_view session_id, const ShardMap& map,
                             absl::Span<const std::string> client_ids) {
   if (map.empty() || client_ids.empty()) return absl::OkStatus();
@@ -86,7 +58,8 @@ absl::Status CheckWorkerSet(absl::string_view session_id, const ShardMap& map,
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "session '", session_id, "' is sharded over workers ",
-      List(map.worker_ids), "; the client's worker set is ", List(client_ids),
+      IdList(map.worker_ids), "; the client's worker set is ",
+      IdList(client_ids),
       " (", DescribeWorkerSetChange(map.worker_ids, client_ids),
       "); use the session's workers, or a new session for the new set"));
 }
@@ -99,7 +72,7 @@ absl::Status CheckLayerOwner(absl::string_view session_id, const ShardMap& map,
   return absl::FailedPreconditionError(absl::StrCat(
       "layer ", layer, " of session '", session_id, "' belongs to worker '",
       owner, "', not to this worker '", worker_id, "' (session workers ",
-      List(map.worker_ids), ")"));
+      IdList(map.worker_ids), ")"));
 }
 
 }  // namespace kvcal::service

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "util/strings.h"  // DescribeWorkerSetChange, IdList
 
 namespace kvcal::service {
 
@@ -32,10 +33,6 @@ absl::Status ValidateWorkerId(absl::string_view id);
 
 // Ids valid, sorted and unique; one owner per layer, each an index into ids.
 absl::Status ValidateShardMap(const ShardMap& map, uint32_t num_layers);
-
-// "added [e], missing [c]" between the session's ids and another set.
-std::string DescribeWorkerSetChange(absl::Span<const std::string> session_ids,
-                                    absl::Span<const std::string> other_ids);
 
 // FailedPrecondition when a non-empty `client_ids` differs from the map's
 // worker set (naming what changed). An empty map or empty client_ids pass.

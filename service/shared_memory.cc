@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <utility>
 
@@ -60,13 +59,6 @@ std::string RegionName(const SharedMemoryRegionInfo& info) {
 }
 
 }  // namespace
-
-std::string ReadHostId() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(in, id);
-  return std::string(absl::StripAsciiWhitespace(id));
-}
 
 absl::StatusOr<std::unique_ptr<SystemMapping>> SystemMapping::Open(
     const std::string& name, uint64_t byte_size) {

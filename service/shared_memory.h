@@ -78,9 +78,6 @@ struct SharedMemoryRegionInfo {
   uint64_t byte_size = 0;
 };
 
-// This host's boot id (empty when /proc does not have it).
-std::string ReadHostId();
-
 // A read-only mapping of one POSIX shared-memory object; unmapped (and its
 // descriptor closed) on destruction.
 class SystemMapping {

@@ -92,7 +92,7 @@ ServiceOptions ServiceOptionsFor(const WorkerOptions& options) {
       options.shared_memory_max_regions_per_tenant;
   service_options.shared_memory.max_bytes_per_tenant =
       options.shared_memory_max_bytes_per_tenant;
-  service_options.shared_memory.host_id = ReadHostId();
+  service_options.shared_memory.host_id = HostBootId();
   return service_options;
 }
 

@@ -1,6 +1,7 @@
 #include "util/host_port.h"
 
 #include <cstdint>
+#include <fstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -155,6 +156,13 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text,
                      HostPort{out.host, kDefaultPort, false}.ToString()));
   }
   return out;
+}
+
+std::string HostBootId() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return std::string(absl::StripAsciiWhitespace(id));
 }
 
 }  // namespace kvcal

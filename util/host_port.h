@@ -50,6 +50,11 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text,
 // to gRPC as it is. "dns:///" (kvcal's every-address form) is not one.
 bool HasTargetScheme(absl::string_view target);
 
+// This host's identity for same-host checks (shared memory: the producer
+// sends it, the worker compares it with its own): the kernel's boot id,
+// /proc/sys/kernel/random/boot_id, "" when unknown.
+std::string HostBootId();
+
 }  // namespace kvcal
 
 #endif  // KVCAL_UTIL_HOST_PORT_H_

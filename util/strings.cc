@@ -1,5 +1,9 @@
 #include "util/strings.h"
 
+#include <algorithm>
+#include <iterator>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -19,6 +23,30 @@ size_t FirstNonIdentifierChar(absl::string_view text) {
 
 std::string ShapeString(absl::Span<const uint64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
+}
+
+std::string IdList(absl::Span<const std::string> ids) {
+  return absl::StrCat("[", absl::StrJoin(ids, ", "), "]");
+}
+
+std::string DescribeWorkerSetChange(absl::Span<const std::string> session_ids,
+                                    absl::Span<const std::string> other_ids) {
+  std::vector<std::string> a(session_ids.begin(), session_ids.end());
+  std::vector<std::string> b(other_ids.begin(), other_ids.end());
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  std::vector<std::string> added, missing;
+  std::set_difference(b.begin(), b.end(), a.begin(), a.end(),
+                      std::back_inserter(added));
+  std::set_difference(a.begin(), a.end(), b.begin(), b.end(),
+                      std::back_inserter(missing));
+  std::vector<std::string> parts;
+  if (!added.empty()) parts.push_back(absl::StrCat("added ", IdList(added)));
+  if (!missing.empty()) {
+    parts.push_back(absl::StrCat("missing ", IdList(missing)));
+  }
+  if (parts.empty()) parts.push_back("same ids, different layer owners");
+  return absl::StrJoin(parts, ", ");
 }
 
 }  // namespace kvcal

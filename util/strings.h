@@ -22,6 +22,15 @@ bool IsIdentifierChar(char c);
 // or absl::string_view::npos when there is none.
 size_t FirstNonIdentifierChar(absl::string_view text);
 
+// "[a, b, c]": how messages print a list of worker ids.
+std::string IdList(absl::Span<const std::string> ids);
+
+// How a set of worker ids differs from a session's: "added [e], missing
+// [c]" (either part left out when empty), or "same ids, different layer
+// owners". The worker's and the client's worker-set refusals both say it.
+std::string DescribeWorkerSetChange(absl::Span<const std::string> session_ids,
+                                    absl::Span<const std::string> other_ids);
+
 }  // namespace kvcal
 
 #endif  // KVCAL_UTIL_STRINGS_H_

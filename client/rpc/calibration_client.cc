@@ -28,6 +28,7 @@
 #include "client/rpc/sharding.h"
 #include "util/host_port.h"
 #include "util/status_macros.h"
+#include "util/strings.h"
 
 namespace kvcal {
 namespace {
@@ -59,30 +60,6 @@ void SortNonFiniteHeads(
                                                            b.role()),
                                                        b.head());
             });
-}
-
-std::string IdList(absl::Span<const std::string> ids) {
-  return absl::StrCat("[", absl::StrJoin(ids, ", "), "]");
-}
-
-// "added [e], missing [c]" from the session's set to the client's.
-std::string WorkerSetChange(std::vector<std::string> session_ids,
-                            std::vector<std::string> client_ids) {
-  std::sort(session_ids.begin(), session_ids.end());
-  std::sort(client_ids.begin(), client_ids.end());
-  std::vector<std::string> added, missing;
-  std::set_difference(client_ids.begin(), client_ids.end(), session_ids.begin(),
-                      session_ids.end(), std::back_inserter(added));
-  std::set_difference(session_ids.begin(), session_ids.end(),
-                      client_ids.begin(), client_ids.end(),
-                      std::back_inserter(missing));
-  std::vector<std::string> parts;
-  if (!added.empty()) parts.push_back(absl::StrCat("added ", IdList(added)));
-  if (!missing.empty()) {
-    parts.push_back(absl::StrCat("missing ", IdList(missing)));
-  }
-  if (parts.empty()) parts.push_back("same ids, different layer owners");
-  return absl::StrJoin(parts, ", ");
 }
 
 absl::StatusOr<std::string> AskWorkerId(v1::Calibration::Stub& stub,
@@ -373,7 +350,7 @@ absl::Status CalibrationClient::CheckShardMap(
     return absl::FailedPreconditionError(absl::StrCat(
         "session '", session_id, "' is sharded over workers ",
         IdList(session_ids), "; this client has ", IdList(ids_), " (",
-        WorkerSetChange(session_ids, ids_),
+        DescribeWorkerSetChange(session_ids, ids_),
         "); give the session's workers, or create a new session for this "
         "set"));
   }

@@ -6,12 +6,11 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "util/host_port.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
@@ -20,13 +19,6 @@ bool SharedMemoryFallsBack(const absl::Status& status) {
   return status.code() == absl::StatusCode::kFailedPrecondition ||
          status.code() == absl::StatusCode::kUnimplemented ||
          status.code() == absl::StatusCode::kResourceExhausted;
-}
-
-std::string HostBootId() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(in, id);
-  return std::string(absl::StripAsciiWhitespace(id));
 }
 
 absl::StatusOr<std::unique_ptr<SharedMemoryRing>> SharedMemoryRing::Create(

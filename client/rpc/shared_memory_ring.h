@@ -31,9 +31,6 @@ namespace kvcal {
 // (Unimplemented), or has no room for the region (ResourceExhausted).
 bool SharedMemoryFallsBack(const absl::Status& status);
 
-// This host's /proc/sys/kernel/random/boot_id ("" when unknown).
-std::string HostBootId();
-
 class SharedMemoryRing {
  public:
   // `slots` slots of `slot_bytes` (rounded up to 64) each. Internal or
