@@ -476,7 +476,70 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
     t_start = time.monotonic()
     timings: Dict[str, float] = {}
     warnings: List[str] = []
-    # -- arguments -------------------------------------------------------------
+    _check_arguments(samples, seq_len, batch_size, holdout_samples, target, granularity, device,
+                     dtype, packing, resume, session, server, lock_timeout)
+    observers = _resolve_observers(observer)
+    holdout_given = holdout_samples is not None
+    holdout = holdout_samples if holdout_given else max(2, int(round(samples * 0.1)))
+    if holdout >= samples:
+        raise UsageError(f"--samples {samples} leaves nothing to calibrate on after {holdout} "
+                         f"held-out samples; ask for at least {holdout + 1}")
+    token = _read_token(auth_token_file)
+    # Model, config, dataset, output: checked before anything is written.
+    run, documents, text_config, previous = _prepare(model, dataset, out, gguf_file, target,
+                                                     resume, server, ui)
+
+    import torch
+
+    device, dtype = _device_and_dtype(torch, device, dtype)
+    granularities, platform = _platform(torch, target, granularity, kv_only)
+    kv_modes = [True] if kv_only else [True, False]
+
+    t = time.monotonic()
+    ui.say(f"loading the tokenizer of {model}")
+    tokenizer, load_weights = _load_model(run.directory, run.gguf, device, getattr(torch, dtype), ui)
+    timings["load"] = time.monotonic() - t
+
+    t = time.monotonic()
+    with ui.bar(total=samples * seq_len, desc="tokenizing", unit="tok") as bar:
+        sampled = data.make_samples(documents, tokenizer, path=dataset, samples=samples,
+                                    seq_len=seq_len, holdout=holdout, seed=seed, packing=packing,
+                                    holdout_given=holdout_given, progress=bar.update)
+    del documents
+    timings["tokenize"] = time.monotonic() - t
+    if sampled.short:
+        warnings.append(
+            f"{dataset} gives {sampled.count} samples of up to {seq_len} tokens ({sampled.tokens} "
+            f"tokens from {sampled.documents} documents); asked for {samples}: calibrating on "
+            f"{len(sampled.calibration)} and holding out {len(sampled.holdout)}")
+        ui.say("warning: " + warnings[-1])
+    options = {"seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
+               "device": device.split(":")[0], "packing": packing, "seed": seed}
+    fingerprint = _fingerprint(sampled, text_config, options)
+    session_id = _session_of(run, previous, session, fingerprint)
+    try:
+        _makedirs(run.work, run.created)
+    except OSError as e:
+        raise CalibrateError(f"cannot create {run.work}: {e.strerror}") from None
+    try:
+        for name, value in dict(
+                previous=previous, resume=resume, fingerprint=fingerprint, session_id=session_id,
+                server=server, token=token, token_file=auth_token_file, load_weights=load_weights,
+                text_config=text_config, sampled=sampled, pad=data.pad_id_of(tokenizer),
+                device=device, batch_size=batch_size, observers=observers,
+                granularities=granularities, kv_modes=kv_modes, platform=platform, target=target,
+                report=report, lock_timeout=lock_timeout, keep_session=keep_session,
+                timings=timings, warnings=warnings, t_start=t_start, dtype=dtype, seq_len=seq_len,
+                scales_dir=scales_dir).items():
+            setattr(run.o, name, value)
+        return _calibrate(run, _Journal(run.work), ui)
+    except BaseException as e:
+        _raise_after_cleanup(run, e, previous)
+
+
+def _check_arguments(samples, seq_len, batch_size, holdout_samples, target, granularity, device,
+                     dtype, packing, resume, session, server, lock_timeout) -> None:
+    """UsageError naming the first argument out of its range."""
     for name, value, low in (("--samples", samples, 1), ("--seq-len", seq_len, 2),
                              ("--batch-size", batch_size, 1)):
         if not isinstance(value, int) or value < low:
@@ -498,21 +561,22 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
         raise UsageError("--resume with --server needs --session ID (the session to continue)")
     if lock_timeout is not None and lock_timeout < 0:
         raise UsageError("--lock-timeout must be >= 0")
-    observers = _resolve_observers(observer)
-    holdout_given = holdout_samples is not None
-    holdout = holdout_samples if holdout_given else max(2, int(round(samples * 0.1)))
-    if holdout >= samples:
-        raise UsageError(f"--samples {samples} leaves nothing to calibrate on after {holdout} "
-                         f"held-out samples; ask for at least {holdout + 1}")
-    token = None
-    if auth_token_file:
-        try:
-            with open(auth_token_file) as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise CalibrateError(f"--auth-token-file {auth_token_file}: {e.strerror}") from None
 
-    # -- model, config, dataset, output: checked before anything is written ----
+
+def _read_token(auth_token_file: Optional[str]) -> Optional[str]:
+    if not auth_token_file:
+        return None
+    try:
+        with open(auth_token_file) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise CalibrateError(f"--auth-token-file {auth_token_file}: {e.strerror}") from None
+
+
+def _prepare(model, dataset, out, gguf_file, target, resume, server, ui):
+    """The model directory, its config and the dataset's documents, checked,
+    and the run's work directory with what an interrupted run left there:
+    (run, documents, text_config, previous run record or None)."""
     directory, is_hub, gguf = _resolve_model(model, gguf_file)
     if (is_hub or gguf) and not out:
         raise CalibrateError(f"{model}: {'a hub model' if is_hub else 'a GGUF model'} is not "
@@ -536,8 +600,7 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
         _check_in_place(directory)
     run = _Run(model, directory, gguf, os.path.abspath(out) if out else None,
                _work_dir(directory, out))
-    journal = _Journal(run.work)
-    previous = journal.read_run()
+    previous = _Journal(run.work).read_run()
     if previous and not resume:
         raise CalibrateError(f"an interrupted run left its state in {run.work} (session "
                              f"{previous.get('session')}); add --resume to continue it, or "
@@ -545,41 +608,24 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
     if resume and not previous and not server:
         raise CalibrateError(f"nothing to resume: {run.work} holds no interrupted run of "
                              f"{model}{' into ' + out if out else ''}")
+    return run, documents, text_config, previous
 
-    import torch
 
+def _device_and_dtype(torch, device: str, dtype: str):
+    """`auto` resolved: CUDA in bfloat16 where torch sees a GPU, else CPU in
+    float32."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CalibrateError("--device cuda: torch sees no CUDA device; use --device cpu")
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    torch_dtype = getattr(torch, dtype)
-    granularities, platform = _platform(torch, target, granularity, kv_only)
-    kv_modes = [True] if kv_only else [True, False]
+    return device, dtype
 
-    t = time.monotonic()
-    ui.say(f"loading the tokenizer of {model}")
-    tokenizer, load_weights = _load_model(directory, gguf, device, torch_dtype, ui)
-    timings["load"] = time.monotonic() - t
 
-    t = time.monotonic()
-    with ui.bar(total=samples * seq_len, desc="tokenizing", unit="tok") as bar:
-        sampled = data.make_samples(documents, tokenizer, path=dataset, samples=samples,
-                                    seq_len=seq_len, holdout=holdout, seed=seed, packing=packing,
-                                    holdout_given=holdout_given, progress=bar.update)
-    del documents
-    timings["tokenize"] = time.monotonic() - t
-    if sampled.short:
-        warnings.append(
-            f"{dataset} gives {sampled.count} samples of up to {seq_len} tokens ({sampled.tokens} "
-            f"tokens from {sampled.documents} documents); asked for {samples}: calibrating on "
-            f"{len(sampled.calibration)} and holding out {len(sampled.holdout)}")
-        ui.say("warning: " + warnings[-1])
-    options = {"seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
-               "device": device.split(":")[0], "packing": packing, "seed": seed}
-    fingerprint = _fingerprint(sampled, text_config, options)
-    session_id = session or f"kvcal-calibrate-{fingerprint[:16]}"
+def _session_of(run, previous, session, fingerprint) -> str:
+    """The session id: the interrupted run's (which must have the same
+    samples), --session, or one named after the samples' fingerprint."""
     if previous and previous.get("fingerprint") != fingerprint:
         raise CalibrateError(f"--resume: the samples differ from the interrupted run's in "
                              f"{run.work} (another dataset, --samples, --seq-len, --seed, "
@@ -589,56 +635,85 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
         raise CalibrateError(f"--session {session}: the interrupted run in {run.work} used "
                              f"session {previous.get('session')}")
     if previous:
-        session_id = previous["session"]
+        return previous["session"]
+    return session or f"kvcal-calibrate-{fingerprint[:16]}"
 
-    pad = data.pad_id_of(tokenizer)
-    try:
-        _makedirs(run.work, run.created)
-    except OSError as e:
-        raise CalibrateError(f"cannot create {run.work}: {e.strerror}") from None
-    try:
-        for name, value in dict(
-                previous=previous, resume=resume, fingerprint=fingerprint, session_id=session_id,
-                server=server, token=token, token_file=auth_token_file, load_weights=load_weights,
-                text_config=text_config, sampled=sampled, pad=pad, device=device,
-                batch_size=batch_size, observers=observers, granularities=granularities,
-                kv_modes=kv_modes, platform=platform, target=target, report=report,
-                lock_timeout=lock_timeout, keep_session=keep_session, timings=timings,
-                warnings=warnings, t_start=t_start, dtype=dtype, seq_len=seq_len,
-                scales_dir=scales_dir).items():
-            setattr(run.o, name, value)
-        return _calibrate(run, journal, ui)
-    except BaseException as e:
-        if run.worker is not None:
-            run.worker.stop()
-        kept = run.uploaded or bool(previous)
-        if not kept:
-            _remove_created(run.created)  # nothing worth resuming: leave no trace
-        if isinstance(e, KeyboardInterrupt):
-            if run.stage == "done":
-                raise Interrupted("interrupted after the patch committed: the checkpoint is "
-                                  "patched; the summary and cleanup were skipped") from None
-            where = (f"; its state is kept in {run.work}: rerun with --resume to continue"
-                     if kept else "")
-            raise Interrupted(f"interrupted; the checkpoint is unchanged{where}") from None
-        if kept and isinstance(e, (CalibrateError, data.DataError, WorkerError,
-                                   output.OutputError)) and run.stage != "done":
-            raise type(e)(f"{e} (the run's state is kept in {run.work}: rerun with --resume "
-                          f"after fixing this)") from None
-        raise
+
+def _raise_after_cleanup(run: "_Run", e: BaseException, previous) -> None:
+    """Stops the embedded worker; removes what the run created when nothing
+    worth resuming was sent; re-raises `e`, saying where the state is kept."""
+    if run.worker is not None:
+        run.worker.stop()
+    kept = run.uploaded or bool(previous)
+    if not kept:
+        _remove_created(run.created)  # nothing worth resuming: leave no trace
+    if isinstance(e, KeyboardInterrupt):
+        if run.stage == "done":
+            raise Interrupted("interrupted after the patch committed: the checkpoint is "
+                              "patched; the summary and cleanup were skipped") from None
+        where = (f"; its state is kept in {run.work}: rerun with --resume to continue"
+                 if kept else "")
+        raise Interrupted(f"interrupted; the checkpoint is unchanged{where}") from None
+    if kept and isinstance(e, (CalibrateError, data.DataError, WorkerError,
+                               output.OutputError)) and run.stage != "done":
+        raise type(e)(f"{e} (the run's state is kept in {run.work}: rerun with --resume "
+                      f"after fixing this)") from None
+    raise e
 
 
 def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
+    """The run after its checks: worker and session, forwards, scoring,
+    patch and report, then cleanup."""
     o = run.o
-    import torch
+    client, existing = _connect(run, ui)
+    geometry = _load_and_open_session(run, journal, client, existing, ui)
+    _forwards(run, journal, client, existing, ui)
 
+    run.stage = "score"
+    _test_seam("score")
+    t = time.monotonic()
+    scoring = _score(run, client, geometry, ui)
+    o.timings["finalize_evaluate"] = time.monotonic() - t
+
+    t = time.monotonic()
+    written = _patch_and_report(run, scoring)
+    o.timings["patch"] = time.monotonic() - t
+
+    if not o.keep_session:
+        import kvcal
+
+        try:
+            client.delete(o.session_id)
+        except kvcal.KvcalError:
+            pass
+    client.close()
+    if run.worker is not None:
+        run.worker.stop()
+        run.worker = None
+    shutil.rmtree(run.work, ignore_errors=True)
+    o.timings["total"] = time.monotonic() - o.t_start
+    chosen, checkpoint = scoring.chosen, written.checkpoint
+    return CalibrationResult(
+        checkpoint=checkpoint, report=written.report, chosen=chosen,
+        candidates=scoring.candidates,
+        serve=output.serve_line(checkpoint, chosen, o.target, scoring.skip),
+        inspect=written.inspected, patch=written.patch, session=o.session_id,
+        samples={"calibration": len(o.sampled.calibration), "holdout": len(o.sampled.holdout),
+                 "tokens": o.sampled.tokens, "seq_len": o.seq_len, "batch_size": o.batch_size,
+                 "documents": o.sampled.documents, "requested": o.sampled.requested},
+        platform=o.platform, timings=o.timings, warnings=o.warnings,
+        reference_nll=scoring.scored["reference_nll"], holdout_tokens=scoring.scored["tokens"],
+        why=scoring.why, resumed=run.resumed, report_note=written.report_note,
+        skip=scoring.skip)
+
+
+def _connect(run: "_Run", ui: _Ui):
+    """The embedded worker (or --server's) and the session's status there,
+    checked before the model loads (fail fast): (client, status or None)."""
     import kvcal
-    import kvcal.torch as kvtorch
-    from kvcal.torch import UnsupportedModelError
 
-    # -- worker and session (checked before the model loads: fail fast) ----------
-    embedded = not o.server
-    if embedded:
+    o = run.o
+    if not o.server:
         run.worker = EmbeddedWorker(run.work)
         run.worker.start()
         target_addr = run.worker.target
@@ -649,7 +724,6 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
         client = kvcal.Client(target_addr, token=o.token)
     except ValueError as e:
         raise CalibrateError(str(e)) from None
-    geometry = kvcal.Geometry.from_config(o.text_config)
     existing = None
     try:
         existing = client.status(o.session_id)
@@ -659,23 +733,30 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
                                  f"{_first_line(e)}") from None
     except ValueError as e:
         raise CalibrateError(_first_line(e)) from None
-    run_record = {"fingerprint": o.fingerprint, "session": o.session_id,
-                  "server": list(o.server) if o.server else None, "model": run.model}
-    if existing is None and o.previous and embedded:
+    if existing is None and o.previous and not o.server:
         raise CalibrateError(f"--resume: the worker state in {run.work} has no session "
                              f"{o.session_id} (it was lost); delete {run.work} to start over")
     if existing is not None and not o.resume:
         raise CalibrateError(f"session {o.session_id} already exists on {client.target}; "
                              f"add --resume to continue it, or pass another --session")
+    return client, existing
 
+
+def _load_and_open_session(run: "_Run", journal: "_Journal", client, existing, ui: _Ui):
+    """Loads the model (run.o.model) and creates or attaches the session;
+    from then on the work directory is worth keeping. Returns the geometry."""
+    import kvcal
+    import kvcal.torch as kvtorch
+
+    o = run.o
+    geometry = kvcal.Geometry.from_config(o.text_config)
     t = time.monotonic()
     ui.say(f"loading {run.model} ({o.dtype} on {o.device})")
-    model = o.load_weights()
-    if not kvtorch._attention_modules(model):
-        raise CalibrateError(f"{run.model} ({type(model).__name__}) has no attention layers "
+    o.model = o.load_weights()
+    if not kvtorch._attention_modules(o.model):
+        raise CalibrateError(f"{run.model} ({type(o.model).__name__}) has no attention layers "
                              f"that kvcal can capture")
     o.timings["load"] += time.monotonic() - t
-
     try:
         if existing is None:
             client.create_session(geometry=geometry, session_id=o.session_id)
@@ -683,32 +764,50 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
             client.attach(o.session_id)
     except (kvcal.KvcalError, ValueError) as e:
         raise CalibrateError(f"session {o.session_id} on {client.target}: {_first_line(e)}") from None
-    journal.write_run(run_record)
-    run.uploaded = True  # from here on the work directory is worth keeping
+    journal.write_run({"fingerprint": o.fingerprint, "session": o.session_id,
+                       "server": list(o.server) if o.server else None, "model": run.model})
+    run.uploaded = True
     run.stage = "upload"
+    return geometry
 
-    # -- forwards ----------------------------------------------------------------
+
+def _resume_point(journal: "_Journal", client, existing, nbatches: int):
+    """(batches already on the worker, the sequence to start at or None)."""
+    if existing is None:
+        return 0, None
+    if client.workers is not None:
+        return 0, 1  # several workers: resend all, the watermarks drop duplicates
+    applied = 0
+    for p in existing.producers:
+        if p.producer_id == PRODUCER:
+            applied = p.sequence
+    skip, start_sequence = 0, None
+    done = journal.batches()
+    for b in range(nbatches):
+        if b in done and done[b] <= applied:
+            skip, start_sequence = b + 1, done[b] + 1
+        else:
+            break
+    return skip, start_sequence or 1
+
+
+def _forwards(run: "_Run", journal: "_Journal", client, existing, ui: _Ui) -> None:
+    """The calibration windows through the model under capture, streamed to
+    the worker; each batch's last chunk sequence journaled for --resume."""
+    import torch
+
+    import kvcal
+    import kvcal.torch as kvtorch
+    from kvcal.torch import UnsupportedModelError
+
+    o = run.o
     cal = o.sampled.calibration
     nbatches = -(-len(cal) // o.batch_size)
-    skip, start_sequence = 0, None
+    skip, start_sequence = _resume_point(journal, client, existing, nbatches)
     if existing is not None:
-        if client.workers is None:
-            applied = 0
-            for p in existing.producers:
-                if p.producer_id == PRODUCER:
-                    applied = p.sequence
-            done = journal.batches()
-            for b in range(nbatches):
-                if b in done and done[b] <= applied:
-                    skip, start_sequence = b + 1, done[b] + 1
-                else:
-                    break
-            start_sequence = start_sequence or 1
-        else:
-            start_sequence = 1  # several workers: resend all, the watermarks drop duplicates
         ui.say(f"resuming session {o.session_id}: {skip} of {nbatches} batches are on the worker")
     kwargs = {"start_sequence": start_sequence} if start_sequence else {}
-    if embedded:
+    if not o.server:
         # Its chunks are safe once applied (the worker writes its state when
         # stopped), and it does not come back after a crash: fail fast.
         kwargs.update(keep_until_durable=False, shared_memory=True, reconnect_timeout=10.0)
@@ -724,12 +823,12 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
                 journal.add(jf, b, done_before[b])
             with ui.bar(total=len(cal), desc="forwards", unit="sample") as bar:
                 bar.update(min(len(cal), skip * o.batch_size))
-                with kvtorch.capture(model, producer), torch.no_grad():
+                with kvtorch.capture(o.model, producer), torch.no_grad():
                     for b, batch in enumerate(data.batches(cal, o.batch_size, o.pad, o.device)):
                         if b < skip:
                             continue
-                        model(batch.input_ids, attention_mask=batch.attention_mask,
-                              use_cache=False)
+                        o.model(batch.input_ids, attention_mask=batch.attention_mask,
+                                use_cache=False)
                         if client.workers is None:
                             journal.add(jf, b, producer.last_sequence)
                         bar.update(batch.input_ids.shape[0])
@@ -750,10 +849,13 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
         producer.__exit__(type(e), e, None)
         raise
 
-    # -- candidates ----------------------------------------------------------------
-    run.stage = "score"
-    _test_seam("score")
-    t = time.monotonic()
+
+def _score(run: "_Run", client, geometry, ui: _Ui) -> SimpleNamespace:
+    """Every candidate finalized and scored on the held-out windows, the
+    choice and the skip-layer advice for it."""
+    import kvcal
+
+    o = run.o
 
     def finalize(obs, gran):
         try:
@@ -765,25 +867,26 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
     held = list(data.batches(o.sampled.holdout, o.batch_size, o.pad, o.device))
     runs = 1 + sum(1 for c in candidates if c.same_as is None)
     with ui.bar(total=runs, desc="scoring on held-out", unit="run") as bar:
-        scored = select.score(model, held, candidates, progress=lambda: bar.update(1))
+        scored = select.score(o.model, held, candidates, progress=lambda: bar.update(1))
     chosen = select.choose(candidates, scored["blocks"])
     # Skip-layer advice for the chosen setting: one more held-out pass when
     # a layer's attention error is an outlier (kvcal/skip_layers.py).
-    skip = skip_layers.advise(model, held, chosen, scored["reference"], scored["blocks"])
+    skip = skip_layers.advise(o.model, held, chosen, scored["reference"], scored["blocks"])
     if o.scales_dir:
         _save_candidates(o.scales_dir, candidates)
-    why = select.why(chosen, candidates, scored["blocks"])
-    o.timings["finalize_evaluate"] = time.monotonic() - t
+    return SimpleNamespace(candidates=candidates, scored=scored, chosen=chosen, skip=skip,
+                           why=select.why(chosen, candidates, scored["blocks"]))
 
-    # -- patch, inspect, report -----------------------------------------------------
-    t = time.monotonic()
+
+def _patch_and_report(run: "_Run", scoring: SimpleNamespace) -> SimpleNamespace:
+    """The chosen scales patched into the checkpoint (in place or --out),
+    inspected, and the HTML report written."""
+    o = run.o
+    chosen = scoring.chosen
     scales_path = os.path.join(run.work, "scales.safetensors")
-    chosen_scales = chosen.scales
-    chosen_scales.metadata["kvcal_calibrate_choice"] = chosen.label
-    chosen_scales.save(scales_path)
-    export = None
-    if run.gguf:
-        export = _gguf_exporter(model, run)
+    chosen.scales.metadata["kvcal_calibrate_choice"] = chosen.label
+    chosen.scales.save(scales_path)
+    export = _gguf_exporter(o.model, run) if run.gguf else None
     run.stage = "patch"
     patch = output.patch_checkpoint(run.directory, scales_path, out=run.out,
                                     staging=os.path.join(run.work, "checkpoint"), target=o.target,
@@ -793,7 +896,7 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
     inspected = output.inspect(checkpoint, o.target)
     report_path = os.path.abspath(o.report) if o.report else os.path.join(checkpoint, "kvcal-report.html")
     evals = []
-    for c in candidates:
+    for c in scoring.candidates:
         if c.observer is None or c.same_as is not None or c.evaluation is None:
             continue
         path = os.path.join(run.work, f"eval-{len(evals)}.json")
@@ -807,31 +910,8 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
     except output.OutputError as e:
         o.warnings.append(f"no report: {e}")
         report_path = None
-    o.timings["patch"] = time.monotonic() - t
-
-    # -- done ------------------------------------------------------------------------
-    if not o.keep_session:
-        try:
-            client.delete(o.session_id)
-        except kvcal.KvcalError:
-            pass
-    client.close()
-    if run.worker is not None:
-        run.worker.stop()
-        run.worker = None
-    shutil.rmtree(run.work, ignore_errors=True)
-    o.timings["total"] = time.monotonic() - o.t_start
-    result = CalibrationResult(
-        checkpoint=checkpoint, report=report_path, chosen=chosen, candidates=candidates,
-        serve=output.serve_line(checkpoint, chosen, o.target, skip), inspect=inspected, patch=patch,
-        session=o.session_id,
-        samples={"calibration": len(o.sampled.calibration), "holdout": len(o.sampled.holdout),
-                 "tokens": o.sampled.tokens, "seq_len": o.seq_len, "batch_size": o.batch_size,
-                 "documents": o.sampled.documents, "requested": o.sampled.requested},
-        platform=o.platform, timings=o.timings, warnings=o.warnings,
-        reference_nll=scored["reference_nll"], holdout_tokens=scored["tokens"], why=why,
-        resumed=run.resumed, report_note=report_note, skip=skip)
-    return result
+    return SimpleNamespace(patch=patch, checkpoint=checkpoint, inspected=inspected,
+                           report=report_path, report_note=report_note)
 
 
 def _report_differs(rec: dict, chosen: select.Candidate) -> str:
