@@ -7,9 +7,10 @@
 //   kvcal::CalibratedScales scales;
 //   scales.granularity = kvcal::Granularity::kPerHead;
 //   scales.layers[0][kvcal::RoleIndex(kvcal::Role::kK)] = {0.01f, 0.02f};
-//   KVCAL_RETURN_IF_ERROR(kvcal::WriteScalesFile("scales.safetensors",
-//   scales)); KVCAL_ASSIGN_OR_RETURN(auto back,
-//   kvcal::ReadScalesFile("scales.safetensors"));
+//   KVCAL_RETURN_IF_ERROR(
+//       kvcal::WriteScalesFile("scales.safetensors", scales));
+//   KVCAL_ASSIGN_OR_RETURN(auto back,
+//                          kvcal::ReadScalesFile("scales.safetensors"));
 #ifndef KVCAL_CLIENT_CHECKPOINT_SCALES_FILE_H_
 #define KVCAL_CLIENT_CHECKPOINT_SCALES_FILE_H_
 

@@ -2,12 +2,12 @@
 // loader's rules as code, so that `kvcal inspect` can predict them and
 // `kvcal patch` can refuse to write what vLLM would refuse or ignore.
 //
-//   VllmLoadOptions options;                      // --kv-cache-dtype auto,
-//   CUDA VllmPrediction p = PredictVllmLoad(config, geometry, scale_tensors,
-//   options); if (!p.refusals.empty()) ...                  // vLLM will not
-//   start if (!p.silent.empty()) ...                    // it starts, but
-//   ignores or
-//                                                 // replaces scales silently
+//   VllmLoadOptions options;  // --kv-cache-dtype auto, CUDA
+//   VllmPrediction p =
+//       PredictVllmLoad(config, geometry, scale_tensors, options);
+//   if (!p.refusals.empty()) ...  // vLLM will not start
+//   if (!p.silent.empty()) ...    // it starts, but ignores or replaces
+//                                 // scales silently
 //
 // Every rule names the vLLM file and function it comes from (paths inside
 // the `vllm/` package of the 0.34.0 sdist; docs/formats.md has the

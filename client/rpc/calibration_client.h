@@ -3,9 +3,10 @@
 //   KVCAL_ASSIGN_OR_RETURN(kvcal::CalibrationClient client,
 //       kvcal::CalibrationClient::Connect({"w0:50051", "w1:50051"}, {}));
 //   KVCAL_ASSIGN_OR_RETURN(kvcal::v1::Session s,
-//   client.CreateSession(request)); KVCAL_ASSIGN_OR_RETURN(auto sent,
-//   client.Upload(s.session_id(), chunks, {})); KVCAL_ASSIGN_OR_RETURN(auto
-//   scales, client.Finalize(finalize_request));
+//                          client.CreateSession(request));
+//   KVCAL_ASSIGN_OR_RETURN(auto sent,
+//                          client.Upload(s.session_id(), chunks, {}));
+//   KVCAL_ASSIGN_OR_RETURN(auto scales, client.Finalize(finalize_request));
 //
 // Connect resolves the endpoints and asks every worker for its id
 // (GetWorkerInfo); workers are ordered by id, and two workers reporting the
