@@ -3,43 +3,13 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "proto/wire_enums.h"
 #include "util/status_macros.h"
 
 namespace kvcal::service {
 namespace {
 
-// The engine's enums are the wire's numbers: the conversions below are
-// static_casts, so every value must agree.
-template <typename Engine, typename Wire>
-constexpr bool Same(Engine e, Wire w) {
-  return static_cast<int>(e) == static_cast<int>(w);
-}
 namespace v1 = kvcal::v1;
-static_assert(Same(Role::kQ, v1::ROLE_Q) && Same(Role::kK, v1::ROLE_K) &&
-              Same(Role::kV, v1::ROLE_V) && v1::Role_MAX == v1::ROLE_V);
-static_assert(Same(DType::kF32, v1::DTYPE_F32) &&
-              Same(DType::kF16, v1::DTYPE_F16) &&
-              Same(DType::kBf16, v1::DTYPE_BF16) &&
-              v1::DType_MAX == v1::DTYPE_BF16);
-static_assert(Same(Layout::kTokensHeadsDim, v1::LAYOUT_TOKENS_HEADS_DIM) &&
-              Same(Layout::kHeadsTokensDim, v1::LAYOUT_HEADS_TOKENS_DIM) &&
-              v1::Layout_MAX == v1::LAYOUT_HEADS_TOKENS_DIM);
-static_assert(Same(Granularity::kPerTensor, v1::GRANULARITY_PER_TENSOR) &&
-              Same(Granularity::kPerHead, v1::GRANULARITY_PER_HEAD) &&
-              v1::Granularity_MAX == v1::GRANULARITY_PER_HEAD);
-static_assert(
-    Same(Observer::kStaticMinMax, v1::OBSERVER_STATIC_MINMAX) &&
-    Same(Observer::kMinMaxEma, v1::OBSERVER_MINMAX_EMA) &&
-    Same(Observer::kMemorylessMinMax, v1::OBSERVER_MEMORYLESS_MINMAX) &&
-    Same(Observer::kMse, v1::OBSERVER_MSE) &&
-    Same(Observer::kPercentile, v1::OBSERVER_PERCENTILE) &&
-    // AUTO is the service's (finalize_evaluation.h), not the engine's.
-    v1::Observer_MAX == v1::OBSERVER_AUTO);
-static_assert(Same(Format::kFp8E4m3fn, v1::FORMAT_FP8_E4M3FN) &&
-              Same(Format::kFp8E4m3fnuz, v1::FORMAT_FP8_E4M3FNUZ) &&
-              Same(Format::kFp8E5m2, v1::FORMAT_FP8_E5M2) &&
-              Same(Format::kInt8, v1::FORMAT_INT8) &&
-              v1::Format_MAX == v1::FORMAT_INT8);
 
 absl::StatusOr<uint32_t> RoleMaskFromProto(
     const google::protobuf::RepeatedField<int>& roles) {

@@ -7,13 +7,14 @@
 #include "client/checkpoint/safetensors.h"
 #include "client/checkpoint/tensor_names.h"
 #include "proto/names.h"
+#include "proto/wire_enums.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
 namespace {}  // namespace
 
 std::string GranularityName(Granularity granularity) {
-  return CanonicalName(static_cast<v1::Granularity>(granularity));
+  return CanonicalName(ToWire(granularity));
 }
 
 absl::Status WriteScalesFile(const std::string& path,

@@ -16,6 +16,7 @@
 #include "client/rpc/calibration_client.h"
 #include "client/rpc/connection.h"
 #include "proto/names.h"
+#include "proto/wire_enums.h"
 #include "util/file_io.h"
 #include "util/grpc_status.h"
 #include "util/status_macros.h"
@@ -77,7 +78,7 @@ absl::StatusOr<CommandResult> RunReport(const Args& a) {
     }
   }
   KVCAL_ASSIGN_OR_RETURN(v1::Format format, ParseFormat(a.report_format));
-  in.format = static_cast<Format>(format);
+  in.format = FromWire(format);
   std::vector<std::string> sources;
   if (!a.session.empty()) {
     if (a.connection.servers.empty()) {

@@ -9,6 +9,7 @@
 #include "kernels/scale_math.h"
 #include "nlohmann/json.hpp"
 #include "proto/names.h"
+#include "proto/wire_enums.h"
 
 namespace kvcal::report {
 
@@ -19,10 +20,10 @@ inline constexpr Role kRoles[3] = {Role::kQ, Role::kK, Role::kV};
 inline constexpr const char* kRoleNames[3] = {"q", "k", "v"};
 
 inline std::string ObserverName(Observer observer) {
-  return CanonicalName(static_cast<v1::Observer>(observer));
+  return CanonicalName(ToWire(observer));
 }
 inline std::string FormatName(Format format) {
-  return CanonicalName(static_cast<v1::Format>(format));
+  return CanonicalName(ToWire(format));
 }
 
 }  // namespace kvcal::report

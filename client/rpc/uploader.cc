@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/rpc/shared_memory_ring.h"
+#include "proto/wire_enums.h"
 #include "util/status_macros.h"
 
 namespace kvcal {
@@ -53,9 +54,9 @@ v1::IngestRequest MakeRequest(const ChunkView& chunk, uint64_t sequence,
   request.set_sequence(sequence);
   request.set_batch(chunk.batch);
   request.set_layer(chunk.layer);
-  request.set_role(static_cast<v1::Role>(chunk.role));
-  request.set_dtype(static_cast<v1::DType>(chunk.dtype));
-  request.set_layout(static_cast<v1::Layout>(chunk.layout));
+  request.set_role(ToWire(chunk.role));
+  request.set_dtype(ToWire(chunk.dtype));
+  request.set_layout(ToWire(chunk.layout));
   for (uint64_t d : chunk.shape) request.add_shape(d);
   request.set_head_offset(chunk.head_offset);
   if (ring == nullptr) {
