@@ -32,6 +32,24 @@ void RolesToProto(const Geometry& geometry,
   for (Role role : geometry.roles()) out->Add(static_cast<int>(role));
 }
 
+// The geometry and counter fields v1::Session and v1::SessionState share
+// (same names): written once for both.
+template <typename SessionMessage>
+void GeometryAndCountersToProto(const Geometry& g,
+                                const SessionCounters& counters,
+                                SessionMessage* out) {
+  out->set_num_layers(g.num_layers);
+  out->set_num_attention_heads(g.num_attention_heads);
+  out->set_num_key_value_heads(g.num_key_value_heads);
+  out->set_head_dim(g.head_dim);
+  out->set_histogram_bins_per_octave(g.bins_per_octave);
+  RolesToProto(g, out->mutable_roles());
+  out->set_chunks_applied(counters.chunks_applied);
+  out->set_values_ingested(counters.values_ingested);
+  out->set_bytes_ingested(counters.bytes_ingested);
+  out->set_nonfinite_values(counters.nonfinite_values);
+}
+
 }  // namespace
 
 absl::StatusOr<Geometry> GeometryFromProto(
@@ -149,16 +167,7 @@ void NonFiniteHeadsToProto(
 
 void SessionInfoToProto(const SessionInfo& info, kvcal::v1::Session* out) {
   out->set_session_id(info.session_id);
-  out->set_num_layers(info.geometry.num_layers);
-  out->set_num_attention_heads(info.geometry.num_attention_heads);
-  out->set_num_key_value_heads(info.geometry.num_key_value_heads);
-  out->set_head_dim(info.geometry.head_dim);
-  out->set_histogram_bins_per_octave(info.geometry.bins_per_octave);
-  RolesToProto(info.geometry, out->mutable_roles());
-  out->set_chunks_applied(info.counters.chunks_applied);
-  out->set_values_ingested(info.counters.values_ingested);
-  out->set_bytes_ingested(info.counters.bytes_ingested);
-  out->set_nonfinite_values(info.counters.nonfinite_values);
+  GeometryAndCountersToProto(info.geometry, info.counters, out);
   for (const ProducerInfo& p : info.producers) {
     kvcal::v1::ProducerWatermark* w = out->add_producers();
     w->set_producer_id(p.producer_id);
@@ -303,17 +312,8 @@ void SnapshotToProto(const std::string& session_id,
   const Geometry& g = snapshot.geometry;
   out->set_format_version(1);
   out->set_session_id(session_id);
-  out->set_num_layers(g.num_layers);
-  out->set_num_attention_heads(g.num_attention_heads);
-  out->set_num_key_value_heads(g.num_key_value_heads);
-  out->set_head_dim(g.head_dim);
-  out->set_histogram_bins_per_octave(g.bins_per_octave);
-  RolesToProto(g, out->mutable_roles());
+  GeometryAndCountersToProto(g, snapshot.counters, out);
   out->set_statistics(snapshot.statistics);
-  out->set_chunks_applied(snapshot.counters.chunks_applied);
-  out->set_values_ingested(snapshot.counters.values_ingested);
-  out->set_bytes_ingested(snapshot.counters.bytes_ingested);
-  out->set_nonfinite_values(snapshot.counters.nonfinite_values);
   for (const ProducerInfo& p : snapshot.producers) {
     kvcal::v1::ProducerWatermark* w = out->add_producers();
     w->set_producer_id(p.producer_id);
