@@ -2,9 +2,7 @@
 // class, whose parts (endpoint resolution and worker ids, session fan-out
 // with the shard map, the worker-set checks, per-worker upload and finalize,
 // following a moved worker) all work on the same members and the same
-// worker-set invariant. Upload (~100 lines) and Finalize (~80) are still
-// over 80 lines: their fan-out, per-worker threads and merge are the next
-// things to split out.
+// worker-set invariant; each function is under 80 lines.
 #include "client/rpc/calibration_client.h"
 
 #include <arpa/inet.h>
@@ -60,6 +58,35 @@ void SortNonFiniteHeads(
                                                            b.role()),
                                                        b.head());
             });
+}
+
+// Evaluations (evaluate / observer auto) of one worker's Finalize into
+// the merged response.
+void MergeEvaluations(const v1::FinalizeResponse& response,
+                      v1::FinalizeResponse& total) {
+  // Evaluations (evaluate / observer auto): each worker judged its own
+  // layers. Their layer rows are concatenated; the session totals are those
+  // of the first worker (each worker's own sums are not on the wire), and
+  // auto_per_session chooses per worker.
+  if (response.has_evaluation()) {
+    if (!total.has_evaluation()) {
+      *total.mutable_evaluation() = response.evaluation();
+    } else {
+      for (const v1::LayerEvaluation& l : response.evaluation().layers()) {
+        *total.mutable_evaluation()->add_layers() = l;
+      }
+    }
+  }
+  if (total.candidates_size() == 0) {
+    *total.mutable_candidates() = response.candidates();
+  } else {
+    for (int c = 0;
+         c < response.candidates_size() && c < total.candidates_size(); ++c) {
+      for (const v1::LayerEvaluation& l : response.candidates(c).layers()) {
+        *total.mutable_candidates(c)->add_layers() = l;
+      }
+    }
+  }
 }
 
 absl::StatusOr<std::string> AskWorkerId(v1::Calibration::Stub& stub,
@@ -460,6 +487,36 @@ absl::Status CalibrationClient::DeleteSession(const std::string& session_id) {
   return absl::OkStatus();
 }
 
+absl::Status CalibrationClient::CheckProducerIsNew(
+    const std::string& session_id, const std::string& producer_id,
+    const std::vector<std::vector<ChunkView>>& per_worker) const {
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (per_worker[i].empty()) continue;
+    grpc::ClientContext context;
+    PrepareContext(context, options_, kRpcTimeout, /*wait_for_ready=*/true);
+    v1::GetSessionRequest request;
+    request.set_session_id(session_id);
+    v1::Session session;
+    KVCAL_RETURN_IF_ERROR(ToAbslStatus(
+        workers_[i].stub->GetSession(&context, request, &session),
+        absl::StrCat("GetSession on ", workers_[i].id, " (",
+                     workers_[i].endpoint, ")")));
+    uint64_t applied = 0;
+    for (const v1::ProducerWatermark& p : session.producers()) {
+      if (p.producer_id() == producer_id) applied = p.sequence();
+    }
+    if (applied > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          workers_[i].id, " (", workers_[i].endpoint, "): session ",
+          session_id, ", producer ", producer_id, " already has ",
+          applied,
+          " chunks applied; use a new producer name, or resume to finish "
+          "an interrupted push of the same dump"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<UploadResult> CalibrationClient::Upload(
     const std::string& session_id, absl::Span<const ChunkView> chunks,
     UploaderOptions options) {
@@ -477,30 +534,8 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
   // refused before a chunk goes to any other (each uploader checks only its
   // own worker, and the others would have applied theirs meanwhile).
   if (!options.resume) {
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      if (per_worker[i].empty()) continue;
-      grpc::ClientContext context;
-      PrepareContext(context, options_, kRpcTimeout, /*wait_for_ready=*/true);
-      v1::GetSessionRequest request;
-      request.set_session_id(session_id);
-      v1::Session session;
-      KVCAL_RETURN_IF_ERROR(ToAbslStatus(
-          workers_[i].stub->GetSession(&context, request, &session),
-          absl::StrCat("GetSession on ", workers_[i].id, " (",
-                       workers_[i].endpoint, ")")));
-      uint64_t applied = 0;
-      for (const v1::ProducerWatermark& p : session.producers()) {
-        if (p.producer_id() == options.producer_id) applied = p.sequence();
-      }
-      if (applied > 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            workers_[i].id, " (", workers_[i].endpoint, "): session ",
-            session_id, ", producer ", options.producer_id, " already has ",
-            applied,
-            " chunks applied; use a new producer name, or resume to finish "
-            "an interrupted push of the same dump"));
-      }
-    }
+    KVCAL_RETURN_IF_ERROR(
+        CheckProducerIsNew(session_id, options.producer_id, per_worker));
   }
   // Where a worker was found again under a new address (per worker; each
   // upload thread writes only its own).
@@ -605,29 +640,7 @@ absl::StatusOr<v1::FinalizeResponse> CalibrationClient::Finalize(
       *total.mutable_resolved() = response.resolved();
       *total.mutable_resolved()->mutable_layers() = request.layers();
     }
-    // Evaluations (evaluate / observer auto): each worker judged its own
-    // layers. Their layer rows are concatenated; the session totals are those
-    // of the first worker (each worker's own sums are not on the wire), and
-    // auto_per_session chooses per worker.
-    if (response.has_evaluation()) {
-      if (!total.has_evaluation()) {
-        *total.mutable_evaluation() = response.evaluation();
-      } else {
-        for (const v1::LayerEvaluation& l : response.evaluation().layers()) {
-          *total.mutable_evaluation()->add_layers() = l;
-        }
-      }
-    }
-    if (total.candidates_size() == 0) {
-      *total.mutable_candidates() = response.candidates();
-    } else {
-      for (int c = 0;
-           c < response.candidates_size() && c < total.candidates_size(); ++c) {
-        for (const v1::LayerEvaluation& l : response.candidates(c).layers()) {
-          *total.mutable_candidates(c)->add_layers() = l;
-        }
-      }
-    }
+    MergeEvaluations(response, total);
   }
   if (total.has_evaluation()) {
     auto* rows = total.mutable_evaluation()->mutable_layers();

@@ -110,6 +110,12 @@ class CalibrationClient {
                                                  std::string current,
                                                  std::string* found_at) const;
   bool sharded() const { return workers_.size() > 1; }
+  // Upload without resume: FAILED_PRECONDITION when `producer_id` already
+  // has chunks applied on a worker that `per_worker` sends to, before any
+  // chunk goes out (each uploader checks only its own worker).
+  absl::Status CheckProducerIsNew(
+      const std::string& session_id, const std::string& producer_id,
+      const std::vector<std::vector<ChunkView>>& per_worker) const;
   // The session's shard map (the first worker's that has it, `any`) agrees
   // with every worker's and with this client's worker set and sharding
   // rule; `have` and `lack` are the ids of the workers with and without it.
