@@ -40,13 +40,21 @@ inline constexpr uint32_t kFirstOctaveBin = 2;
 // Number of exactly kept largest |x| values per (layer, role, head).
 inline constexpr uint32_t kTailCapacity = 256;
 
+// The bits of `from` as a `To` of the same size (std::bit_cast's job; this
+// code is C++17 for nvcc's host compiler).
+template <typename To, typename From>
+inline To BitCast(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "BitCast between sizes");
+  To to;
+  std::memcpy(&to, &from, sizeof(to));
+  return to;
+}
+
 KVCAL_HOST_DEVICE uint32_t FloatBits(float x) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(x);
 #else
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return bits;
+  return BitCast<uint32_t>(x);
 #endif
 }
 
@@ -54,9 +62,7 @@ KVCAL_HOST_DEVICE float BitsToFloat(uint32_t bits) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(bits);
 #else
-  float x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
+  return BitCast<float>(bits);
 #endif
 }
 

@@ -16,8 +16,6 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-
-
 }  // namespace
 
 absl::StatusOr<CommandResult> RunCalibrate(Args a) {
@@ -29,15 +27,7 @@ absl::StatusOr<CommandResult> RunCalibrate(Args a) {
   if (!a.output.empty()) KVCAL_RETURN_IF_ERROR(CheckOutputPath(a.output));
   // One writer per checkpoint, from the first read of config.json to the
   // patch's last rename.
-  PatchOptions patch{.checkpoint_dir = a.checkpoint,
-                     .scales_path = "",
-                     .out_dir = a.out_dir,
-                     .target = target,
-                     .on_step = {},
-                     .on_progress = {},
-                     .lock_timeout = absl::Seconds(a.lock_timeout),
-                     .on_lock_wait = {},
-                     .lock = nullptr};
+  PatchOptions patch = MakePatchOptions(a, target, "");
   KVCAL_ASSIGN_OR_RETURN(CheckpointLock lock, LockCheckpointForPatch(patch));
   patch.lock = &lock;
   KVCAL_ASSIGN_OR_RETURN(CalibrationClient client, Connect(a.connection));
@@ -45,8 +35,7 @@ absl::StatusOr<CommandResult> RunCalibrate(Args a) {
   KVCAL_ASSIGN_OR_RETURN(
       v1::Session s,
       CreateSessionFromConfig(client, a.config, a.session, a.histograms,
-                              /*holdout_budget_bytes=*/0,
-                              a.reject_non_finite));
+                              /*holdout_budget_bytes=*/0, a.reject_non_finite));
   if (!a.json) std::cout << "session " << s.session_id() << "\n";
   KVCAL_ASSIGN_OR_RETURN(PushSummary p,
                          PushDump(client, s.session_id(), a.dump_dir,

@@ -100,15 +100,7 @@ void PrintInspect(const InspectReport& report, absl::string_view command) {
 
 absl::StatusOr<CommandResult> RunPatch(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(PatchTarget target, ParsePatchTarget(a.target));
-  PatchOptions options{.checkpoint_dir = a.checkpoint,
-                       .scales_path = a.scales,
-                       .out_dir = a.out_dir,
-                       .target = target,
-                       .on_step = {},
-                       .on_progress = {},
-                       .lock_timeout = absl::Seconds(a.lock_timeout),
-                       .on_lock_wait = {},
-                       .lock = nullptr};
+  PatchOptions options = MakePatchOptions(a, target, a.scales);
   KVCAL_ASSIGN_OR_RETURN(PatchReport report, PatchWithProgress(options));
   if (!a.json) std::cout << PatchText(report);
   return CommandResult{PatchJson(report)};

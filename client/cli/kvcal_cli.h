@@ -120,9 +120,10 @@ CLI::Validator Named(Parse parse, std::string names) {
         const auto parsed = parse(value);
         if (parsed.ok()) return "";
         std::string message(parsed.status().message());
-        const std::string guess = cli::Suggest(
-            value, absl::StrSplit(names, ", ", absl::SkipEmpty()));
-        if (!guess.empty()) absl::StrAppend(&message, "; did you mean '", guess, "'?");
+        const std::string guess =
+            cli::Suggest(value, absl::StrSplit(names, ", ", absl::SkipEmpty()));
+        if (!guess.empty())
+          absl::StrAppend(&message, "; did you mean '", guess, "'?");
         return message;
       },
       "NAME");
@@ -147,6 +148,10 @@ absl::StatusOr<CalibrationClient> Connect(const ConnectionArgs& c);
 absl::StatusOr<v1::FinalizeRequest> MakeFinalizeRequest(
     const FinalizeArgs& f, const std::string& session);
 UploaderOptions MakeUploaderOptions(const Args& a);
+// `patch` and `calibrate`'s PatchOptions: --checkpoint, --out-dir,
+// --lock-timeout and the parsed --target, with no callbacks and no lock.
+PatchOptions MakePatchOptions(const Args& a, PatchTarget target,
+                              std::string scales_path);
 
 // cmd_session.cc
 nlohmann::ordered_json PushJson(const PushSummary& p);

@@ -119,9 +119,9 @@ absl::StatusOr<CalibrationClient> Connect(const ConnectionArgs& c) {
   if (!c.auth_token_file.empty()) {
     absl::StatusOr<std::string> token = ReadTokenFile(c.auth_token_file);
     if (!token.ok()) {
-      return absl::Status(token.status().code(),
-                          absl::StrCat("--auth-token-file: ",
-                                       token.status().message()));
+      return absl::Status(
+          token.status().code(),
+          absl::StrCat("--auth-token-file: ", token.status().message()));
     }
     options.auth_token = *std::move(token);
   }
@@ -165,6 +165,19 @@ UploaderOptions MakeUploaderOptions(const Args& a) {
   o.resume = a.resume;
   o.shared_memory = a.shm;
   return o;
+}
+
+PatchOptions MakePatchOptions(const Args& a, PatchTarget target,
+                              std::string scales_path) {
+  return PatchOptions{.checkpoint_dir = a.checkpoint,
+                      .scales_path = std::move(scales_path),
+                      .out_dir = a.out_dir,
+                      .target = target,
+                      .on_step = {},
+                      .on_progress = {},
+                      .lock_timeout = absl::Seconds(a.lock_timeout),
+                      .on_lock_wait = {},
+                      .lock = nullptr};
 }
 
 // The numeric flags' valid values (docs/producers.md has the defaults).

@@ -375,7 +375,26 @@ def _cut(shape: Tuple[int, ...], layout: int, itemsize: int, chunk_bytes: int,
                     yield [1, 1, n, dim], h, begin, begin + n * row
 
 
-class WorkerProducer:
+class _BatchNumbers:
+    """The calibration batch number a producer stamps on its chunks: 0 until
+    new_batch() is called after the first chunk, then one more per call
+    (the EMA and memoryless observers' batches)."""
+    _batch = 0
+    _batches_started = False
+
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    def new_batch(self) -> int:
+        """Starts the next calibration batch (0, 1, 2, ...) and returns it."""
+        if self._batches_started:
+            self._batch += 1
+        self._batches_started = True
+        return self._batch
+
+
+class WorkerProducer(_BatchNumbers):
     """Streams chunks to one session on one worker as one producer; see the
     module docs. kvcal.Producer(client) returns one for a client of one
     worker; a ShardedProducer holds one per worker."""
@@ -459,17 +478,6 @@ class WorkerProducer:
         self._thread.start()
 
     # -- producer side ---------------------------------------------------------
-    @property
-    def batch(self) -> int:
-        return self._batch
-
-    def new_batch(self) -> int:
-        """Starts the next calibration batch (0, 1, 2, ...) and returns it."""
-        if self._batches_started:
-            self._batch += 1
-        self._batches_started = True
-        return self._batch
-
     @property
     def last_sequence(self) -> int:
         return self._next_sequence - 1
@@ -949,7 +957,7 @@ class _Sender:
         return p._closing and self._sequence >= p._next_sequence
 
 
-class ShardedProducer:
+class ShardedProducer(_BatchNumbers):
     """Streams to one session over a client of several workers: one
     WorkerProducer per worker (`producers`, in the order of client.workers),
     each layer's chunks to the worker that holds it (numbered per worker, as
@@ -980,17 +988,6 @@ class ShardedProducer:
         self.holdout = False  # chunks put while True are sent as held out
         self._batch = 0
         self._batches_started = False
-
-    @property
-    def batch(self) -> int:
-        return self._batch
-
-    def new_batch(self) -> int:
-        """Starts the next calibration batch (0, 1, 2, ...) and returns it."""
-        if self._batches_started:
-            self._batch += 1
-        self._batches_started = True
-        return self._batch
 
     @property
     def last_sequence(self) -> int:
