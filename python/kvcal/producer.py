@@ -375,12 +375,23 @@ def _cut(shape: Tuple[int, ...], layout: int, itemsize: int, chunk_bytes: int,
                     yield [1, 1, n, dim], h, begin, begin + n * row
 
 
-class _BatchNumbers:
-    """The calibration batch number a producer stamps on its chunks: 0 until
-    new_batch() is called after the first chunk, then one more per call
-    (the EMA and memoryless observers' batches)."""
+class _ProducerBase:
+    """What both producers share: the calibration batch number they stamp
+    on their chunks (0 until new_batch() is called after the first chunk,
+    then one more per call: the EMA and memoryless observers' batches), and
+    use as a context manager (close() on a clean exit, abandon() on an
+    error, so that a flush does not hide the original error)."""
     _batch = 0
     _batches_started = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abandon()
 
     @property
     def batch(self) -> int:
@@ -394,7 +405,7 @@ class _BatchNumbers:
         return self._batch
 
 
-class WorkerProducer(_BatchNumbers):
+class WorkerProducer(_ProducerBase):
     """Streams chunks to one session on one worker as one producer; see the
     module docs. kvcal.Producer(client) returns one for a client of one
     worker; a ShardedProducer holds one per worker."""
@@ -611,15 +622,6 @@ class WorkerProducer(_BatchNumbers):
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self._close_ring()
-
-    def __enter__(self) -> "WorkerProducer":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # do not hide the original error behind a flush
-            self.abandon()
 
     def stats(self) -> dict:
         with self._cv:
@@ -957,7 +959,7 @@ class _Sender:
         return p._closing and self._sequence >= p._next_sequence
 
 
-class ShardedProducer(_BatchNumbers):
+class ShardedProducer(_ProducerBase):
     """Streams to one session over a client of several workers: one
     WorkerProducer per worker (`producers`, in the order of client.workers),
     each layer's chunks to the worker that holds it (numbered per worker, as
@@ -1055,15 +1057,6 @@ class ShardedProducer(_BatchNumbers):
     def abandon(self, why: str = "kvcal: producer abandoned after an error") -> None:
         for p in self.producers:
             p.abandon(why)
-
-    def __enter__(self) -> "ShardedProducer":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # do not hide the original error behind a flush
-            self.abandon()
 
     def stats(self) -> dict:
         total: dict = {}
