@@ -62,6 +62,12 @@ tensors (float32, float16, bfloat16; CPU or CUDA). bf16 goes on the wire as
 bf16. A CUDA tensor is copied to pinned host memory with a non-blocking copy
 on the current stream; the background thread waits for that copy, so put()
 does not synchronize the device.
+
+Why this file is over 600 lines: it is the wire protocol of a producer
+(chunking, the shared-memory ring, the exactly-once sender with its
+resume and durability rules) plus the ShardedProducer made of
+WorkerProducers; the ring, the chunks and the sender share one set of
+sequence bookkeeping that would otherwise cross module boundaries.
 """
 from __future__ import annotations
 
