@@ -22,7 +22,6 @@ kvcal-calibrate), the mean attention error per layer for each, and the share
 of V values whose NVFP4 block scale falls below e4m3's normals at scale 1.0.
 Needs a built worker (KVCAL_BUILD_DIR, default build/).
 """
-import argparse
 import os
 import sys
 import tempfile
@@ -30,7 +29,6 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
-import torch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
@@ -38,7 +36,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 import kvcal  # noqa: E402
 import kvcal.torch  # noqa: E402
 from kvcal import calibrate_select  # noqa: E402
-from kvcal.calibrate_data import Batch  # noqa: E402
 
 
 def per_tensor(amax_k, amax_v, label):
@@ -52,25 +49,12 @@ def per_tensor(amax_k, amax_v, label):
 
 
 def main():
-    import smollm2
     from conftest import Worker
-    from quality_table import calibrate
+    from quality_table import calibrate, smollm2_bench_inputs
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cal-batches", type=int, default=4)
-    ap.add_argument("--eval-batches", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=256)
-    a = ap.parse_args()
     start = time.monotonic()
-    torch.manual_seed(0)
-    model, tokenizer = smollm2.load()
+    a, model, cal, held_out = smollm2_bench_inputs()
     layers = model.config.num_hidden_layers
-    cal = smollm2.token_batches(tokenizer, smollm2.CALIBRATION_FILES, a.cal_batches,
-                                a.batch_size, a.seq)
-    ev = smollm2.token_batches(tokenizer, smollm2.EVALUATION_FILES, a.eval_batches,
-                               a.batch_size, a.seq)
-    held_out = [Batch(ids, torch.ones_like(ids), int(ids.numel())) for ids in ev]
     worker = Worker(tempfile.mkdtemp(prefix="kvcal-nvfp4-")).start()
     try:
         client = calibrate(worker, model, cal)

@@ -18,7 +18,6 @@ quantized and with the skip, the paired gain, and the KV cache bytes per
 token with the skip over all-quantized. Needs a built worker
 (KVCAL_BUILD_DIR, default build/).
 """
-import argparse
 import os
 import sys
 import tempfile
@@ -33,32 +32,18 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 
 import kvcal.torch  # noqa: E402
 from kvcal import calibrate_select, skip_layers  # noqa: E402
-from kvcal.calibrate_data import Batch  # noqa: E402
 
 ALPHA = 64.0
 MODES = (("FP8 Q, K, V", "fp8", False), ("FP8 K, V", "fp8", True), ("NVFP4 K, V", "nvfp4", True))
 
 
 def main():
-    import smollm2
     from conftest import Worker
-    from quality_table import calibrate
+    from quality_table import calibrate, smollm2_bench_inputs
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cal-batches", type=int, default=4)
-    ap.add_argument("--eval-batches", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=256)
-    a = ap.parse_args()
     start = time.monotonic()
-    torch.manual_seed(0)
-    model, tokenizer = smollm2.load()
+    a, model, cal, held = smollm2_bench_inputs()
     layers = model.config.num_hidden_layers
-    cal = smollm2.token_batches(tokenizer, smollm2.CALIBRATION_FILES, a.cal_batches,
-                                a.batch_size, a.seq)
-    ev = smollm2.token_batches(tokenizer, smollm2.EVALUATION_FILES, a.eval_batches,
-                               a.batch_size, a.seq)
-    held = [Batch(ids, torch.ones_like(ids), int(ids.numel())) for ids in ev]
     ones = calibrate_select.ones_scales(SimpleNamespace(num_layers=layers))
     rows, per_layer, tokens = [], {}, 0
     worker = Worker(tempfile.mkdtemp(prefix="kvcal-skip-")).start()

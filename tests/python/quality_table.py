@@ -35,6 +35,33 @@ OBSERVERS = [
 ]
 
 
+def smollm2_bench_inputs():
+    """The bench scripts' common start (bench/python/bench_nvfp4.py,
+    bench_skip_layers.py): their arguments (--cal-batches 4, --eval-batches
+    2, --batch-size 2, --seq 256), SmolLM2 loaded with torch seeded 0, the
+    calibration token batches (GPL-3) and the held-out ones (GPL-2,
+    Apache-2.0) as kvcal-calibrate's Batch records: (args, model, cal, held)."""
+    import argparse
+
+    import smollm2
+    from kvcal.calibrate_data import Batch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cal-batches", type=int, default=4)
+    ap.add_argument("--eval-batches", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = smollm2.load()
+    cal = smollm2.token_batches(tokenizer, smollm2.CALIBRATION_FILES, a.cal_batches,
+                                a.batch_size, a.seq)
+    ev = smollm2.token_batches(tokenizer, smollm2.EVALUATION_FILES, a.eval_batches,
+                               a.batch_size, a.seq)
+    held = [Batch(ids, torch.ones_like(ids), int(ids.numel())) for ids in ev]
+    return a, model, cal, held
+
+
 def calibrate(worker, model, batches):
     """A kvcal.Client with a session that saw `batches` through kvcal.torch.capture."""
     client = kvcal.Client(worker.target)
