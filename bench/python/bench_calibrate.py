@@ -26,6 +26,8 @@ windows of a smaller N are the first ones of a larger N), three observers
 per tensor, and prints one markdown row per N: each observer's scale change
 against the largest N (median and largest relative change over the 90
 scales), Δ nats/token (± standard error) of the candidates, and the choice.
+Each size's result is kept in --work (sN.json) and reused by a later run
+with the same flags and data set, so that `--sizes` can grow a table.
 """
 import argparse
 import glob
@@ -154,12 +156,22 @@ def table(args, dataset):
     for n in sizes:
         out = os.path.join(args.work, f"s{n}")
         scales_dir = out + "-scales"
-        _remove(out)
-        _remove(scales_dir)
-        result, wall = run_calibrate(args.model, dataset, out, "--samples", str(n + args.holdout),
-                                     "--holdout-samples", str(args.holdout), "--seq-len", str(args.seq_len),
-                                     "--observer", ",".join(OBSERVERS), "--scales-dir", scales_dir)
-        _remove(out)
+        flags = ["--samples", str(n + args.holdout), "--holdout-samples", str(args.holdout),
+                 "--seq-len", str(args.seq_len), "--observer", ",".join(OBSERVERS)]
+        saved = out + ".json"
+        # A finished run of the same flags on the same data set is reused
+        # (each size is a separate run; a table can be completed later).
+        previous = _load_json(saved)
+        if previous and previous["flags"] == flags and previous["dataset_bytes"] == os.path.getsize(dataset):
+            result, wall = previous["result"], previous["wall"]
+        else:
+            _remove(out)
+            _remove(scales_dir)
+            result, wall = run_calibrate(args.model, dataset, out, *flags, "--scales-dir", scales_dir)
+            _remove(out)
+            with open(saved, "w") as f:
+                json.dump({"flags": flags, "dataset_bytes": os.path.getsize(dataset), "result": result,
+                           "wall": wall, "load_average": load_average()}, f)
         scales = {o: kvcal.Scales.load(os.path.join(scales_dir, f"kvcal-{o}-tensor.safetensors"))
                   for o in OBSERVERS}
         rows[n] = (result, wall, {o: {k: float(np.asarray(v).reshape(-1)[0]) for k, v in s.items()}
@@ -172,7 +184,8 @@ def table(args, dataset):
               ("EMA min-max per tensor, Q, K, V", "EMA, Q K V"),
               ("percentile per tensor, Q, K, V", "percentile, Q K V"),
               ("llm-compressor default, K, V", "llm-compressor default, K V"),
-              ("scale 1.0, Q, K, V", "scale 1.0, Q K V")]
+              ("scale 1.0, Q, K, V", "scale 1.0, Q K V"),
+              ("scale 1.0, K, V", "scale 1.0, K V")]
     head = ["calibration windows (tokens)"] + [f"{o} change vs N={sizes[-1]}: median / max" for o in OBSERVERS]
     head += [f"Δ {short}" for _, short in labels] + ["chosen"]
     print("| " + " | ".join(head) + " |")
@@ -192,6 +205,14 @@ def table(args, dataset):
     held = rows[sizes[-1]][0]
     print(f"\nheld-out: {held['samples']['holdout']} windows, {held['holdout_tokens']} scored tokens; "
           f"Δ in nats/token against the unquantized model on them")
+
+
+def _load_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _remove(path):
