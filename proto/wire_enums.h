@@ -51,9 +51,7 @@ static_assert(Same(Format::kFp8E4m3fn, v1::FORMAT_FP8_E4M3FN) &&
 inline v1::Role ToWire(Role e) { return static_cast<v1::Role>(e); }
 inline v1::DType ToWire(DType e) { return static_cast<v1::DType>(e); }
 inline v1::Layout ToWire(Layout e) { return static_cast<v1::Layout>(e); }
-inline v1::Observer ToWire(Observer e) {
-  return static_cast<v1::Observer>(e);
-}
+inline v1::Observer ToWire(Observer e) { return static_cast<v1::Observer>(e); }
 inline v1::Granularity ToWire(Granularity e) {
   return static_cast<v1::Granularity>(e);
 }

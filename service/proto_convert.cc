@@ -263,8 +263,7 @@ void EvaluationToProto(const Evaluation& e, kvcal::v1::Evaluation* out) {
 void EvaluatedFinalizeToProto(const EvaluatedFinalize& result,
                               kvcal::v1::FinalizeResponse* out) {
   ScaleResultToProto(result.scales, out);
-  NonFiniteHeadsToProto(result.nonfinite_heads,
-                        out->mutable_nonfinite_heads());
+  NonFiniteHeadsToProto(result.nonfinite_heads, out->mutable_nonfinite_heads());
   out->set_nonfinite_heads_total(result.nonfinite_heads.total_heads);
   if (result.evaluation.has_value()) {
     EvaluationToProto(*result.evaluation, out->mutable_evaluation());

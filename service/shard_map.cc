@@ -59,8 +59,8 @@ absl::Status CheckWorkerSet(absl::string_view session_id, const ShardMap& map,
   return absl::FailedPreconditionError(absl::StrCat(
       "session '", session_id, "' is sharded over workers ",
       IdList(map.worker_ids), "; the client's worker set is ",
-      IdList(client_ids),
-      " (", DescribeWorkerSetChange(map.worker_ids, client_ids),
+      IdList(client_ids), " (",
+      DescribeWorkerSetChange(map.worker_ids, client_ids),
       "); use the session's workers, or a new session for the new set"));
 }
 

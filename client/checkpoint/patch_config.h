@@ -45,8 +45,8 @@ absl::Status CheckScalesForVllm(const CalibratedScales& scales,
 // the scales file does not have lands in report.warnings.
 absl::Status CheckVllmUsesTheScales(
     const nlohmann::ordered_json& config, const ModelGeometry& g,
-    const CalibratedScales& scales,
-    PatchTarget target, const std::vector<VllmScaleTensor>& existing,
+    const CalibratedScales& scales, PatchTarget target,
+    const std::vector<VllmScaleTensor>& existing,
     const std::vector<NewTensor>& added, PatchReport& report);
 
 }  // namespace kvcal::patch_internal

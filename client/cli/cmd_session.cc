@@ -50,13 +50,14 @@ Json PushJson(const PushSummary& p) {
 std::string PushText(const PushSummary& p) {
   const Json j = PushJson(p);
   return absl::StrFormat(
-      "pushed %u chunks (%.1f MiB) from %u files in %.2fs (%.1f MiB/s); "
-      "%u applied, %u duplicates, %u skipped, %u reconnects%s\n",
-      p.upload.chunks, p.upload.bytes / 1048576.0, p.files,
-      j["seconds"].get<double>(), j["mib_per_second"].get<double>(),
-      p.upload.chunks_applied, p.upload.chunks_duplicate,
-      p.upload.chunks_skipped, p.upload.reconnects,
-      p.upload.shared_memory ? "; by shared memory" : "") + NonFiniteText(p);
+             "pushed %u chunks (%.1f MiB) from %u files in %.2fs (%.1f MiB/s); "
+             "%u applied, %u duplicates, %u skipped, %u reconnects%s\n",
+             p.upload.chunks, p.upload.bytes / 1048576.0, p.files,
+             j["seconds"].get<double>(), j["mib_per_second"].get<double>(),
+             p.upload.chunks_applied, p.upload.chunks_duplicate,
+             p.upload.chunks_skipped, p.upload.reconnects,
+             p.upload.shared_memory ? "; by shared memory" : "") +
+         NonFiniteText(p);
 }
 
 absl::StatusOr<CommandResult> RunCreate(const Args& a) {
@@ -128,12 +129,13 @@ absl::StatusOr<CommandResult> RunFinalize(const Args& a) {
               << a.finalize.granularity << ", " << f.scales.metadata["format"]
               << ")\n";
   }
-  Json result{{"output", a.output},
-              {"observer", f.scales.observer},
-              {"granularity", a.finalize.granularity},
-              {"layers", FinalizeJson(f.response)},
-              {"nonfinite_heads", NonFiniteHeadsJson(f.response.nonfinite_heads())},
-              {"nonfinite_heads_total", f.response.nonfinite_heads_total()}};
+  Json result{
+      {"output", a.output},
+      {"observer", f.scales.observer},
+      {"granularity", a.finalize.granularity},
+      {"layers", FinalizeJson(f.response)},
+      {"nonfinite_heads", NonFiniteHeadsJson(f.response.nonfinite_heads())},
+      {"nonfinite_heads_total", f.response.nonfinite_heads_total()}};
   if (f.response.has_evaluation()) {
     result["evaluation"] = EvaluationJson(f.response.evaluation());
     Json candidates = Json::array();
@@ -160,8 +162,9 @@ CLI::App* AddCreateCommand(CLI::App& app, Args& a) {
   sub->add_option("--holdout-budget-bytes", a.holdout_budget_bytes,
                   "bytes of held-out batches the worker keeps for "
                   "finalize --evaluate (0 = its default, 64 MiB)")
-      ->check(cli::InRange(cli::IntRange{
-          0, std::numeric_limits<uint64_t>::max(), "0 = the worker's default"}));
+      ->check(
+          cli::InRange(cli::IntRange{0, std::numeric_limits<uint64_t>::max(),
+                                     "0 = the worker's default"}));
   sub->add_flag("--reject-non-finite", a.reject_non_finite,
                 "the workers refuse any chunk holding NaN or Inf "
                 "(INVALID_ARGUMENT naming the tensor; nothing of it is "

@@ -2,13 +2,13 @@
 // finalize, patch, inspect, calibrate, report and demo; see client/README.md.
 // This file parses the command line and runs the chosen subcommand; the
 // subcommands live in cmd_*.cc and demo.cc (client/cli/kvcal_cli.h).
+#include <grpc/support/log.h>
+
 #include <functional>
 #include <iostream>
 #include <optional>
 #include <string>
 #include <utility>
-
-#include <grpc/support/log.h>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
@@ -61,7 +61,8 @@ int Main(int argc, char** argv) {
   // (KVCAL_SERVER, KVCAL_AUTH_TOKEN_FILE) and checks it when it is the one
   // run; without one CLI11 reads it for every subcommand, so a bad
   // KVCAL_SERVER would fail `kvcal inspect`, which takes no --server.
-  for (const auto& command : commands) command.first->parse_complete_callback([] {});
+  for (const auto& command : commands)
+    command.first->parse_complete_callback([] {});
   // Usage errors: one line on stderr, exit 2 (client/README.md "Exit codes").
   if (std::optional<int> exit = cli::Parse(app, argc, argv)) return *exit;
   if (!a.verbose) gpr_set_log_function(QuietGrpcLog);

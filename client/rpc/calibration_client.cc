@@ -50,14 +50,12 @@ void AddCounters(const v1::Session& from, v1::Session& to) {
 // Orders non-finite heads of several workers as one worker lists them.
 void SortNonFiniteHeads(
     google::protobuf::RepeatedPtrField<v1::NonFiniteHead>* heads) {
-  std::sort(heads->begin(), heads->end(),
-            [](const v1::NonFiniteHead& a, const v1::NonFiniteHead& b) {
-              return std::tuple(a.layer(), static_cast<int>(a.role()),
-                                a.head()) < std::tuple(b.layer(),
-                                                       static_cast<int>(
-                                                           b.role()),
-                                                       b.head());
-            });
+  std::sort(
+      heads->begin(), heads->end(),
+      [](const v1::NonFiniteHead& a, const v1::NonFiniteHead& b) {
+        return std::tuple(a.layer(), static_cast<int>(a.role()), a.head()) <
+               std::tuple(b.layer(), static_cast<int>(b.role()), b.head());
+      });
 }
 
 // Evaluations (evaluate / observer auto) of one worker's Finalize into
@@ -147,8 +145,8 @@ absl::StatusOr<std::vector<std::string>> ExpandEndpoint(
       ParseHostPort(dns ? endpoint.substr(kDns.size()) : endpoint,
                     {.default_port = kDefaultPort, .min_port = 1});
   if (!parsed.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "server '", endpoint, "': ", parsed.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("server '", endpoint, "': ", parsed.status().message()));
   }
   if (!dns) return std::vector<std::string>{parsed->ToString()};
   const std::string host = parsed->host;
@@ -497,19 +495,18 @@ absl::Status CalibrationClient::CheckProducerIsNew(
     v1::GetSessionRequest request;
     request.set_session_id(session_id);
     v1::Session session;
-    KVCAL_RETURN_IF_ERROR(ToAbslStatus(
-        workers_[i].stub->GetSession(&context, request, &session),
-        absl::StrCat("GetSession on ", workers_[i].id, " (",
-                     workers_[i].endpoint, ")")));
+    KVCAL_RETURN_IF_ERROR(
+        ToAbslStatus(workers_[i].stub->GetSession(&context, request, &session),
+                     absl::StrCat("GetSession on ", workers_[i].id, " (",
+                                  workers_[i].endpoint, ")")));
     uint64_t applied = 0;
     for (const v1::ProducerWatermark& p : session.producers()) {
       if (p.producer_id() == producer_id) applied = p.sequence();
     }
     if (applied > 0) {
       return absl::FailedPreconditionError(absl::StrCat(
-          workers_[i].id, " (", workers_[i].endpoint, "): session ",
-          session_id, ", producer ", producer_id, " already has ",
-          applied,
+          workers_[i].id, " (", workers_[i].endpoint, "): session ", session_id,
+          ", producer ", producer_id, " already has ", applied,
           " chunks applied; use a new producer name, or resume to finish "
           "an interrupted push of the same dump"));
     }

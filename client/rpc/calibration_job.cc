@@ -32,15 +32,14 @@ std::string NonFiniteLines(
     const google::protobuf::RepeatedPtrField<v1::NonFiniteHead>& heads,
     uint64_t total_heads) {
   if (total_heads == 0) return ".\n";
-  std::string out = absl::StrCat(", in ", total_heads,
-                                 " (layer, role, head) triples:\n");
+  std::string out =
+      absl::StrCat(", in ", total_heads, " (layer, role, head) triples:\n");
   int listed = 0;
   for (const v1::NonFiniteHead& h : heads) {
     if (listed == kListed) break;
     absl::StrAppend(&out, "  layer ", h.layer(), " ",
-                    absl::AsciiStrToUpper(CanonicalName(h.role())),
-                    " head ", h.head(), ": ", h.nan(), " NaN, ", h.inf(),
-                    " Inf\n");
+                    absl::AsciiStrToUpper(CanonicalName(h.role())), " head ",
+                    h.head(), ": ", h.nan(), " NaN, ", h.inf(), " Inf\n");
     ++listed;
   }
   if (total_heads > static_cast<uint64_t>(listed)) {
@@ -204,9 +203,10 @@ absl::StatusOr<FinalizeSummary> FinalizeToFile(
 
 std::string NonFiniteText(const PushSummary& push) {
   if (!push.after.has_value()) {
-    return absl::StrCat("warning: could not read the session's non-finite "
-                        "counts after the push: ",
-                        push.after_error, "\n");
+    return absl::StrCat(
+        "warning: could not read the session's non-finite "
+        "counts after the push: ",
+        push.after_error, "\n");
   }
   const v1::Session& s = *push.after;
   if (s.nonfinite_values() == 0) return "";

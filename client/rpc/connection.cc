@@ -1,15 +1,14 @@
 #include "client/rpc/connection.h"
 
+#include <sys/stat.h>
+
 #include <chrono>
+#include <regex>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include <sys/stat.h>
-
-#include <regex>
-
 #include "client/checkpoint/safetensors.h"
 #include "util/pem.h"
 #include "util/status_macros.h"
@@ -38,9 +37,9 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(
     // Checked before gRPC sees them (util/pem.h): a wrong file is one line
     // naming the flag, not the handshaker's internals.
     if (!options.tls_ca_file.empty()) {
-      KVCAL_ASSIGN_OR_RETURN(ssl.pem_root_certs,
-                             ReadPemFile("--tls-ca", options.tls_ca_file,
-                                         PemKind::kCertificate));
+      KVCAL_ASSIGN_OR_RETURN(
+          ssl.pem_root_certs,
+          ReadPemFile("--tls-ca", options.tls_ca_file, PemKind::kCertificate));
     }
     if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
       return absl::InvalidArgumentError(
@@ -50,9 +49,9 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(
       KVCAL_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
                              ReadPemFile("--tls-cert", options.tls_cert_file,
                                          PemKind::kCertificate));
-      KVCAL_ASSIGN_OR_RETURN(ssl.pem_private_key,
-                             ReadPemFile("--tls-key", options.tls_key_file,
-                                         PemKind::kPrivateKey));
+      KVCAL_ASSIGN_OR_RETURN(
+          ssl.pem_private_key,
+          ReadPemFile("--tls-key", options.tls_key_file, PemKind::kPrivateKey));
     }
     credentials = grpc::SslCredentials(ssl);
   } else {
@@ -100,9 +99,10 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 &&
       (!S_ISREG(st.st_mode) || st.st_size > (64 << 10))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": ", S_ISREG(st.st_mode) ? "too large for a token file"
-                                        : "not a regular file"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ",
+                     S_ISREG(st.st_mode) ? "too large for a token file"
+                                         : "not a regular file"));
   }
   KVCAL_ASSIGN_OR_RETURN(std::string token, ReadSmallFile(path));
   absl::StripAsciiWhitespace(&token);
@@ -137,8 +137,9 @@ constexpr Cause kCauses[] = {
     {"certificate required",
      "TLS: the worker wants a client certificate (--tls-cert and --tls-key)"},
     {"Ssl handshake failed", "TLS handshake failed"},
-    {"Connection refused", "connection refused (is a kvcal-worker listening "
-                           "there?)"},
+    {"Connection refused",
+     "connection refused (is a kvcal-worker listening "
+     "there?)"},
     {"Domain name not found", "cannot resolve the host name"},
     {"DNS resolution failed", "cannot resolve the host name"},
     {"Connection timed out", "connection timed out"},

@@ -374,16 +374,15 @@ class CudaBackend final : public CudaStatisticsBackend {
     const size_t element_size = DTypeSize(chunk.dtype);
     const uint64_t elements = extent.elements();
     const uint64_t per_copy = kStagingSlotBytes / element_size;
-    std::vector<std::byte> host(
-        std::min<uint64_t>(per_copy, elements) * element_size);
+    std::vector<std::byte> host(std::min<uint64_t>(per_copy, elements) *
+                                element_size);
     const auto* base = reinterpret_cast<const std::byte*>(chunk.data.data());
     auto copy_and_count = [&]() -> absl::Status {
       for (uint64_t e = 0; e < elements; e += per_copy) {
         const uint64_t n = std::min(per_copy, elements - e);
-        KVCAL_CUDA_RETURN_IF_ERROR(cudaMemcpy(host.data(),
-                                              base + e * element_size,
-                                              n * element_size,
-                                              cudaMemcpyDeviceToHost));
+        KVCAL_CUDA_RETURN_IF_ERROR(
+            cudaMemcpy(host.data(), base + e * element_size, n * element_size,
+                       cudaMemcpyDeviceToHost));
         CountNonFiniteElements(chunk.dtype, host.data(), e, n, extent, found);
       }
       return absl::OkStatus();
