@@ -36,6 +36,7 @@
 #include "client/checkpoint/scales_file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/client/test_scales.h"
 #include "tests/client/test_util.h"
 #include "util/file_io.h"
 
@@ -153,22 +154,8 @@ DemoModelOptions TinyModel(bool sharded) {
 
 CalibratedScales MakeScales(const DemoModelOptions& m, Granularity granularity,
                             float base) {
-  CalibratedScales s;
-  s.granularity = granularity;
-  s.observer = "static_minmax";
-  s.metadata["session"] = "safety";
-  for (uint32_t l = 0; l < m.num_layers; ++l) {
-    for (Role role : kAllRoles) {
-      const uint32_t heads =
-          role == Role::kQ ? m.num_attention_heads : m.num_key_value_heads;
-      const uint32_t n = granularity == Granularity::kPerHead ? heads : 1;
-      for (uint32_t h = 0; h < n; ++h) {
-        s.layers[l][RoleIndex(role)].push_back(
-            base * (1.0f + l + 0.1f * h + 0.01f * RoleIndex(role)));
-      }
-    }
-  }
-  return s;
+  return ::kvcal::testing::MakeScales(m, granularity, base, "static_minmax",
+                                      "safety");
 }
 
 // (Public: the stress rounds run in a helper function.)
