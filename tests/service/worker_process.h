@@ -82,15 +82,18 @@ class WorkerProcess {
     }
   }
 
-  // The worker's log goes with its directory; when the test has failed, it
+  // The worker's log goes with its directory; when a test has failed, it
   // is printed first (a sanitizer report or an error in the worker is often
-  // the reason, and CI keeps nothing else).
+  // the reason, and CI keeps nothing else). A suite's shared worker is
+  // destroyed in TearDownTestSuite, outside any test, where HasFailure()
+  // sees none of the suite's failures: count the process's failed tests too.
   ~WorkerProcess() {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
     }
-    if (::testing::Test::HasFailure()) {
+    if (::testing::Test::HasFailure() ||
+        ::testing::UnitTest::GetInstance()->failed_test_count() > 0) {
       std::string log = ReadLog();
       constexpr size_t kTail = 16 << 10;
       if (log.size() > kTail) log = "[...]\n" + log.substr(log.size() - kTail);
