@@ -18,7 +18,10 @@ What it does (docs/calibrate.md is the user's guide):
    samples by the model's own loss with Q/K/V fake-quantized
    (calibrate_select.py), against scale 1.0 and llm-compressor's default;
    for the chosen one, which layers to leave unquantized (skip_layers.py:
-   --kv-cache-dtype-skip-layers, verified by one more held-out pass);
+   --kv-cache-dtype-skip-layers, verified by one more held-out pass); the
+   other KV cache formats asked for (--kv-cache-formats, NVFP4 by default)
+   scored the same way and the cheapest within --tolerance recommended
+   (format_advice.py);
 5. patches the checkpoint (`kvcal patch`), checks it (`kvcal inspect`),
    writes the HTML report (`kvcal report`) and prints the `vllm serve` line
    (calibrate_output.py).
@@ -45,6 +48,7 @@ from typing import Optional, Sequence
 from kvcal import calibrate_data as data
 from kvcal import calibrate_output as output
 from kvcal import calibrate_select as select
+from kvcal import format_advice
 from kvcal.calibrate_run import (PROG, TARGETS, CalibrateError,  # noqa: F401
                                  CalibrationResult, Interrupted, UsageError,
                                  _inspect_summary, calibrate_model)
@@ -81,6 +85,8 @@ def summary(result: CalibrationResult) -> str:
                      f"{100 * ones.attention_error:.2f}%)")
     if result.skip is not None:
         lines.extend(result.skip.describe())
+    if result.formats is not None:
+        lines.extend(result.formats.describe())
     lines.append(f"granularity: {result.platform}")
     lines.append(result.patch.describe())
     v = _inspect_summary(result.inspect)
@@ -151,6 +157,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-file", metavar="F", help="load MODEL_DIR/F (a GGUF file); needs --out")
     p.add_argument("--lock-timeout", type=float, default=None, metavar="SECONDS",
                    help="passed to kvcal patch: how long to wait for the checkpoint lock")
+    p.add_argument("--kv-cache-formats", default="fp8,nvfp4", metavar="LIST",
+                   help="KV cache formats to score on the held-out samples and recommend from "
+                        "(fp8, nvfp4, nvfp4_4over6; default fp8,nvfp4)")
+    p.add_argument("--tolerance", type=float, default=format_advice.DEFAULT_TOLERANCE,
+                   metavar="NATS", help="the held-out loss a recommended cache format may add, "
+                   f"in nats/token (default {format_advice.DEFAULT_TOLERANCE:g})")
     p.add_argument("--json", action="store_true", help="no progress; print one JSON object")
     return p
 
@@ -175,7 +187,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             resume=args.resume, report=args.report, gguf_file=args.gguf_file,
             lock_timeout=args.lock_timeout, packing=args.packing,
             auth_token_file=args.auth_token_file, keep_session=args.keep_session,
-            scales_dir=args.scales_dir, quiet=args.json)
+            scales_dir=args.scales_dir, quiet=args.json,
+            kv_cache_formats=args.kv_cache_formats, tolerance=args.tolerance)
     except UsageError as e:
         return _fail(args, str(e), 2)
     except (CalibrateError, data.DataError, WorkerError, output.OutputError) as e:

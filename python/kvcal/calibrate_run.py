@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence
 from kvcal import calibrate_data as data
 from kvcal import calibrate_output as output
 from kvcal import calibrate_select as select
+from kvcal import format_advice
 from kvcal import skip_layers
 from kvcal.calibrate_worker import EmbeddedWorker, WorkerError
 
@@ -65,6 +66,7 @@ class CalibrationResult:
     resumed: Optional[dict] = None        # {"skipped_batches", "batches"} after --resume
     report_note: str = ""                 # where the report's own recommendation differs
     skip: Optional[skip_layers.SkipAdvice] = None  # which layers to keep unquantized
+    formats: Optional[format_advice.FormatAdvice] = None  # which KV cache format, measured
 
     @property
     def scale_one(self) -> select.Candidate:
@@ -88,6 +90,7 @@ class CalibrationResult:
             "warnings": self.warnings, "resumed": self.resumed,
             "report_note": self.report_note or None,
             "skip_layers": self.skip.to_dict() if self.skip is not None else None,
+            "cache_formats": self.formats.to_dict() if self.formats is not None else None,
         }
 
 
@@ -477,7 +480,9 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
                     report: Optional[str] = None, gguf_file: Optional[str] = None,
                     lock_timeout: Optional[float] = None, packing: str = "pack",
                     auth_token_file: Optional[str] = None, keep_session: bool = False,
-                    scales_dir: Optional[str] = None, quiet: bool = False) -> CalibrationResult:
+                    scales_dir: Optional[str] = None, quiet: bool = False,
+                    kv_cache_formats: str = "fp8,nvfp4",
+                    tolerance: float = format_advice.DEFAULT_TOLERANCE) -> CalibrationResult:
     """Calibrates `model` on `dataset` and patches it; see the module docs.
     Raises CalibrateError (with a one-line message) or UsageError."""
     ui = _Ui(quiet)
@@ -487,6 +492,7 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
     _check_arguments(samples, seq_len, batch_size, holdout_samples, target, granularity, device,
                      dtype, packing, resume, session, server, lock_timeout)
     observers = _resolve_observers(observer)
+    formats = _check_formats(kv_cache_formats, tolerance)
     holdout_given = holdout_samples is not None
     holdout = holdout_samples if holdout_given else max(2, int(round(samples * 0.1)))
     if holdout >= samples:
@@ -538,7 +544,7 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
                 granularities=granularities, kv_modes=kv_modes, platform=platform, target=target,
                 report=report, lock_timeout=lock_timeout, keep_session=keep_session,
                 timings=timings, warnings=warnings, t_start=t_start, dtype=dtype, seq_len=seq_len,
-                scales_dir=scales_dir).items():
+                scales_dir=scales_dir, formats=formats, tolerance=tolerance).items():
             setattr(run.o, name, value)
         return _calibrate(run, _Journal(run.work), ui)
     except BaseException as e:
@@ -569,6 +575,17 @@ def _check_arguments(samples, seq_len, batch_size, holdout_samples, target, gran
         raise UsageError("--resume with --server needs --session ID (the session to continue)")
     if lock_timeout is not None and lock_timeout < 0:
         raise UsageError("--lock-timeout must be >= 0")
+
+
+def _check_formats(spec: str, tolerance: float) -> List[str]:
+    """--kv-cache-formats as a list; UsageError naming what is wrong."""
+    try:
+        formats = format_advice.parse_formats(spec)
+    except ValueError as e:
+        raise UsageError(f"--kv-cache-formats {spec}: {e}") from None
+    if not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) or tolerance < 0:
+        raise UsageError(f"--tolerance must be a finite number of nats/token >= 0, got {tolerance}")
+    return formats
 
 
 def _read_token(auth_token_file: Optional[str]) -> Optional[str]:
@@ -712,7 +729,7 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
         platform=o.platform, timings=o.timings, warnings=o.warnings,
         reference_nll=scoring.scored["reference_nll"], holdout_tokens=scoring.scored["tokens"],
         why=scoring.why, resumed=run.resumed, report_note=written.report_note,
-        skip=scoring.skip)
+        skip=scoring.skip, formats=scoring.formats)
 
 
 def _connect(run: "_Run", ui: _Ui):
@@ -880,10 +897,14 @@ def _score(run: "_Run", client, geometry, ui: _Ui) -> SimpleNamespace:
     # Skip-layer advice for the chosen setting: one more held-out pass when
     # a layer's attention error is an outlier (kvcal/skip_layers.py).
     skip = skip_layers.advise(o.model, held, chosen, scored["reference"], scored["blocks"])
+    others = [f for f in o.formats if f != "fp8"]
+    with ui.bar(total=len(others), desc="scoring cache formats", unit="format") as bar:
+        formats = format_advice.compare(o.model, held, chosen, candidates, scored, skip,
+                                        o.formats, o.tolerance, progress=lambda: bar.update(1))
     if o.scales_dir:
         _save_candidates(o.scales_dir, candidates)
     return SimpleNamespace(candidates=candidates, scored=scored, chosen=chosen, skip=skip,
-                           why=select.why(chosen, candidates, scored["blocks"]))
+                           formats=formats, why=select.why(chosen, candidates, scored["blocks"]))
 
 
 def _patch_and_report(run: "_Run", scoring: SimpleNamespace) -> SimpleNamespace:

@@ -210,19 +210,26 @@ def _token_nll(model, batches, blocks_from: int = 0):
 
 
 def score(model, batches: list, candidates: List[Candidate], progress=None,
-          kv_format: str = "fp8") -> dict:
+          kv_format: str = "fp8", reference: Optional[dict] = None) -> dict:
     """Runs the reference and every candidate over the held-out `batches`;
     fills delta, se, nll and evaluation. Returns {"reference_nll", "tokens",
     "blocks", "reference"} (the last two per held-out token: block ids and the
     unquantized loss).
     `kv_format` ("fp8", "nvfp4", "nvfp4_4over6"): the K/V cache emulated
-    (kvcal.torch.evaluate's; NVFP4 takes per-tensor K/V scales only)."""
+    (kvcal.torch.evaluate's; NVFP4 takes per-tensor K/V scales only).
+    `reference`: a previous score()'s result on the same `batches`, whose
+    unquantized pass is reused instead of run again. A scale 1.0 candidate
+    with each kv_only of the others must be among `candidates` (their
+    evaluations compare against it)."""
     from kvcal import evaluate as ev
 
     with ev._eager(model):
-        ref, blocks = _token_nll(model, batches)
-        if progress:
-            progress()
+        if reference is not None:
+            ref, blocks = reference["reference"], reference["blocks"]
+        else:
+            ref, blocks = _token_nll(model, batches)
+            if progress:
+                progress()
         reference = ev.RunFigures(nll=float(ref.mean()) if ref.size else math.nan, tokens=int(ref.size))
         ones_runs: Dict[bool, tuple] = {}
         for c in sorted(candidates, key=lambda c: c.observer is not None):  # scale 1.0 first

@@ -218,6 +218,26 @@ def test_every_candidate_scored_and_one_chosen(calibrated):
     else:
         assert skip["argument"] is None
         assert "--kv-cache-dtype-skip-layers" not in r["serve"]["command"]
+    # The cache-format comparison (kvcal/format_advice.py), by default FP8 and
+    # NVFP4 on the same held-out windows: FP8's figures are the chosen
+    # candidate's; the recommendation is the cheapest within the tolerance.
+    fmt = r["cache_formats"]
+    assert fmt["tolerance_nats_per_token"] == 0.02
+    assert [f["kv_format"] for f in fmt["formats"]] == ["fp8", "nvfp4"]
+    fp8, nv = fmt["formats"]
+    assert fp8["delta_nll"] == r["chosen"]["delta_nll"]
+    # NVFP4 reads one global scale per layer: scored with the chosen scales
+    # (per tensor here: no Hopper GPU), against scale 1.0 unless they are 1.0.
+    assert nv["scales"] == r["chosen"]["label"]
+    assert nv["attention_error_mean"] > fp8["attention_error_mean"]
+    if r["chosen"]["label"].startswith("scale 1.0"):
+        assert nv["delta_nll_scale_one"] is None
+    else:
+        assert math.isfinite(nv["delta_nll_scale_one"])
+    within = [f for f in fmt["formats"] if f["within_tolerance"]]
+    want = min(within, key=lambda f: (f["cache_bytes_ratio"], f["best_delta_nll"]))["kv_format"] \
+        if within else "auto"
+    assert fmt["recommended"] == want
 
 
 def test_patched_copy_is_linked_and_the_source_untouched(calibrated):
