@@ -45,7 +45,9 @@ Notes:
   attention (kv_lora_rank; vLLM caches a compressed latent, not per-head K
   and V), encoder-decoder and cross-attention models, hybrid and
   linear-attention models (layer_types other than full, sliding and chunked
-  attention; Mamba layers) and layers sharing another's KV cache.
+  attention; Mamba layers) and layers sharing another's KV cache. For MLA,
+  `kvcal.torch.capture_mla` (kvcal/torch_mla.py) sends the latent cache row
+  vLLM quantizes instead.
 """
 from __future__ import annotations
 
@@ -157,16 +159,22 @@ class _Capture:
         self.mask = None  # the current forward's 2-D attention_mask
         self.geometry = getattr(producer, "geometry", None) or getattr(producer.client, "geometry", None)
 
-    def _record(self, module, query, key, value) -> None:
+    def _enter(self, layer) -> bool:
+        """Batch bookkeeping for one layer's attention; False inside backward."""
         if _torch._C._current_graph_task_id() != -1:
-            return  # recomputation inside backward (gradient checkpointing)
-        layer = module.layer_idx
+            return False  # recomputation inside backward (gradient checkpointing)
         if not self.in_forward and layer in self.seen:
             self.producer.new_batch()  # attention run without the model's forward hook
             self.seen.clear()
         if not self.in_forward and not self.seen:
             self.producer.new_batch()
         self.seen.add(layer)
+        return True
+
+    def _record(self, module, query, key, value) -> None:
+        layer = module.layer_idx
+        if not self._enter(layer):
+            return
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             raise _unsupported(self.model, f"attention inputs of {type(module).__name__} are not "
                                            f"[batch, heads, tokens, head_dim] "
@@ -184,9 +192,15 @@ class _Capture:
                 f"layer {layer}: q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)} "
                 f"do not match the session's {g.num_attention_heads} query heads, "
                 f"{g.num_key_value_heads} key/value heads of head_dim {g.head_dim}"))
-        keep = self._kept_positions(layer, query.shape[0], tokens)
+        self._send(layer, (("q", query), ("k", key), ("v", value)))
+
+    def _send(self, layer, tensors) -> None:
+        """Sends each (role, [batch, heads, tokens, dim] tensor) of this
+        capture's roles, without the positions the padding mask hides."""
+        batch, tokens = tensors[0][1].shape[0], tensors[0][1].shape[2]
+        keep = self._kept_positions(layer, batch, tokens)
         held_out = bool(getattr(self.producer, "holdout", False))
-        for role, tensor in (("q", query), ("k", key), ("v", value)):
+        for role, tensor in tensors:
             if role not in self.roles:
                 continue
             if keep is not None and held_out:
@@ -251,7 +265,10 @@ def capture(model, producer, roles=("q", "k", "v")):
         try:
             check_attention(config)
         except ValueError as e:
-            raise _unsupported(model, str(e).removeprefix("kvcal: ")) from None
+            why = str(e).removeprefix("kvcal: ")
+            if "kv_lora_rank" in why:
+                why += " (kvcal.torch.capture_mla captures what vLLM caches for MLA)"
+            raise _unsupported(model, why) from None
     modules = _attention_modules(model)
     if not modules:
         raise _unsupported(model, "no attention modules with a layer_idx and an attention "
@@ -293,6 +310,9 @@ def capture(model, producer, roles=("q", "k", "v")):
             for name in names:
                 _uninstall(name)
 
+
+# DeepSeek-style MLA: what vLLM's latent cache holds (kvcal/torch_mla.py).
+from .torch_mla import MLA_ROLES, capture_mla, mla_geometry  # noqa: E402,F401
 
 # Measurement (kvcal/evaluate.py): FP8 Q/K/V error, saturation, perplexity.
 from .evaluate import Evaluation, evaluate, fake_quantize, rescale_keys  # noqa: E402,F401

@@ -39,7 +39,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from test_vllm_own_code import PINS, VLLM_DIR, VLLM_VERSION, VllmProcess
+from test_vllm_own_code import PINS, QUARK, VLLM_DIR, VLLM_VERSION, VllmProcess
 
 LAYERS_Q_LORA = 8  # DeepSeek-V3 shape: q_lora_rank set (fused_qkv_a_proj)
 KV_LORA_RANK, ROPE_DIM = 16, 8
@@ -79,6 +79,15 @@ CONFIGS = {
                         "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
                                          "exclude_modules": ["*"]}},
 }
+
+
+_QUARK_OUTPUT = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "ch_axis": None, "group_size": None,
+                 "symmetric": True, "round_method": "half_even", "scale_type": "float", "is_dynamic": False,
+                 "observer_cls": "PerTensorMinMaxObserver"}
+QUARK_PATCHED = json.loads(json.dumps(QUARK))
+QUARK_PATCHED["export"]["kv_cache_group"] = ["*k_proj", "*v_proj"]
+QUARK_PATCHED["layer_quant_config"] = {
+    p: dict(QUARK["global_quant_config"], output_tensors=_QUARK_OUTPUT) for p in ("*k_proj", "*v_proj")}
 
 
 def scale_value(layer, role_index):
@@ -202,8 +211,12 @@ def _mla_quant_methods():
         CompressedTensorsConfig)
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
     from vllm.model_executor.layers.quantization.modelopt import ModelOptFp8Config
+    from vllm.model_executor.layers.quantization.quark.quark import QuarkConfig
 
-    layer = MLAAttention.__new__(MLAAttention)  # isinstance is all get_quant_method asks
+    from vllm.model_executor.layers.attention import Attention
+
+    # isinstance / issubclass is all get_quant_method asks of the layer.
+    layers = {"mla": MLAAttention.__new__(MLAAttention), "attention": Attention.__new__(Attention)}
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
         configs = {
             "compressed-tensors": CompressedTensorsConfig.from_config(CONFIGS["compressed-tensors"]),
@@ -211,9 +224,12 @@ def _mla_quant_methods():
             # DeepSeek-V3's own FP8 checkpoint config.
             "fp8": Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic",
                                           "fmt": "e4m3", "weight_block_size": [128, 128]}),
+            # What `kvcal patch --target quark` writes (test_vllm_own_code.py).
+            "quark": QuarkConfig.from_config(QUARK_PATCHED),
         }
-        return {name: type(config.get_quant_method(layer, "model.layers.0.self_attn.attn")).__name__
-                for name, config in configs.items()}
+        return {kind: {name: type(config.get_quant_method(layer, "model.layers.0.self_attn.attn")).__name__
+                       for name, config in configs.items()}
+                for kind, layer in layers.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -266,10 +282,16 @@ def test_mla_layer_sits_where_vllm_builds_it(vllm):
 
 
 def test_kv_cache_methods_for_mla(vllm):
-    # compressed_tensors.py, fp8.py: `isinstance(layer, Attention)` only;
+    # compressed_tensors.py, fp8.py: `isinstance(layer, Attention)`;
+    # quark.py get_quant_method_target: `issubclass(layer_type, Attention)`;
     # modelopt.py ModelOptQuantConfigBase: `(Attention, MLAAttention)`.
-    assert vllm.call("_mla_quant_methods") == {
-        "compressed-tensors": "NoneType", "modelopt": "ModelOptKVCacheMethod", "fp8": "NoneType"}
+    methods = vllm.call("_mla_quant_methods")
+    assert methods["mla"] == {"compressed-tensors": "NoneType", "modelopt": "ModelOptKVCacheMethod",
+                              "fp8": "NoneType", "quark": "NoneType"}
+    # The same configs give Llama's Attention its KV cache method.
+    assert methods["attention"] == {"compressed-tensors": "CompressedTensorsKVCacheMethod",
+                                    "modelopt": "ModelOptKVCacheMethod", "fp8": "Fp8KVCacheMethod",
+                                    "quark": "QuarkKVCacheMethod"}
 
 
 @pytest.mark.parametrize("config,kv_cache_dtype,cache,method", [
