@@ -25,7 +25,8 @@ are not cached and are not sent. What is sent, per layer:
   a cache, replaced) by a recorder that passes the call through unchanged.
   With transformers' `rope_interleave` (DeepSeek-V3's default) k_pe's
   dimensions come out as the even then the odd ones of vLLM's interleaved
-  layout; no maximum, per tensor or per head, depends on that order.
+  layout (DeepSeek-V2's code keeps vLLM's layout); no maximum, per tensor
+  or per head, depends on that order.
 - "q" (when in `roles`): the query vLLM's MLA decode quantizes with
   `_q_scale` when the cache is FP8 and the backend takes an FP8 query
   (MLACommonImpl, e.g. FlashMLA and FlashInfer MLA; Triton MLA does not):

@@ -1,5 +1,5 @@
-"""kvcal.torch.capture_mla on tiny random DeepSeek-V3 models built by
-transformers: what it sends equals, to float rounding, the latent cache row
+"""kvcal.torch.capture_mla on tiny random DeepSeek-V3 (and V2) models built
+by transformers: what it sends equals, to float rounding, the latent cache row
 vLLM stores (c_kv after kv_a_layernorm, then k_pe after RoPE) and the
 absorbed decode query, both computed here from the modules' weights with
 RMSNorm and RoPE written out in the test (vLLM's interleaved RoPE pairs);
@@ -14,10 +14,12 @@ import kvcal.torch
 R, P, NOPE, V, HEADS, LAYERS = 16, 8, 8, 8, 4, 2
 
 
-def tiny_deepseek(q_lora_rank=None, seed=0):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+def tiny_deepseek(q_lora_rank=None, seed=0, version=3):
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
+    config_class, model_class = ((DeepseekV3Config, DeepseekV3ForCausalLM) if version == 3 else
+                                 (DeepseekV2Config, DeepseekV2ForCausalLM))
+    config = config_class(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
@@ -25,7 +27,7 @@ def tiny_deepseek(q_lora_rank=None, seed=0):
         attn_implementation="sdpa")
     assert config.rope_parameters["rope_type"] == "default"
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config).eval()
+    model = model_class(config).eval()
     # A non-trivial norm weight, so that the norm's weight is checked too.
     with torch.no_grad():
         for layer in model.model.layers:
@@ -64,10 +66,13 @@ def vllm_rope(x, positions, theta):
     return out
 
 
-def transformers_order(x):
-    """transformers' rope_interleave output order: the even dimensions of
-    vLLM's layout, then the odd ones."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+def transformers_order(model, x):
+    """The order transformers' RoPE leaves the dimensions in: DeepSeek-V3
+    with rope_interleave gives the even dimensions of vLLM's layout, then
+    the odd ones; DeepSeek-V2 (complex pairs) keeps vLLM's layout."""
+    if getattr(model.config, "rope_interleave", None):
+        return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+    return x
 
 
 def expected(model, hidden, positions):
@@ -83,7 +88,7 @@ def expected(model, hidden, positions):
         latent, rope = kv[..., :R], kv[..., R:]
         c_kv = attn.kv_a_layernorm.weight.to(torch.float64) * latent / torch.sqrt(
             latent.pow(2).mean(-1, keepdim=True) + eps)
-        k_pe = transformers_order(vllm_rope(rope, positions, theta))
+        k_pe = transformers_order(model, vllm_rope(rope, positions, theta))
         k = torch.cat([c_kv, k_pe], dim=-1)[:, None]  # [B, 1, T, R + P]
         if attn.q_lora_rank is None:
             q = h @ attn.q_proj.weight.to(torch.float64).T
@@ -94,7 +99,7 @@ def expected(model, hidden, positions):
         q = q.view(b, t, HEADS, NOPE + P).transpose(1, 2)  # [B, H, T, NOPE + P]
         w_uk = attn.kv_b_proj.weight.to(torch.float64).view(HEADS, NOPE + V, R)[:, :NOPE, :]
         q_latent = torch.einsum("bhtn,hnr->bhtr", q[..., :NOPE], w_uk)
-        q_pe = transformers_order(vllm_rope(q[..., NOPE:], positions, theta))
+        q_pe = transformers_order(model, vllm_rope(q[..., NOPE:], positions, theta))
         out[layer] = (k, torch.cat([q_latent, q_pe], dim=-1))
     return out
 
@@ -109,10 +114,10 @@ def attention_inputs(model):
     return hidden, hooks
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 8])  # DeepSeek-V2-Lite / V3 query paths
+@pytest.mark.parametrize("version,q_lora_rank", [(3, None), (3, 8), (2, None)])  # query paths
 @pytest.mark.parametrize("use_cache", [False, True])
-def test_capture_is_the_latent_cache_row(q_lora_rank, use_cache):
-    model = tiny_deepseek(q_lora_rank)
+def test_capture_is_the_latent_cache_row(version, q_lora_rank, use_cache):
+    model = tiny_deepseek(q_lora_rank, version=version)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = model(ids, use_cache=use_cache).logits
