@@ -48,7 +48,10 @@ quantization config (tests/python/test_mla_vllm_loader.py; docs/formats.md,
 checkpoints. This capture gives the scales those tensors would need.
 
 Masks, held-out batches, gradient checkpointing and dynamic caches behave as
-in kvcal.torch.capture (its module docs).
+in kvcal.torch.capture (its module docs). The worker's held-out evaluation
+(Finalize's evaluate and observer "auto") runs standard attention on Q, K
+and V and refuses a session without V (FAILED_PRECONDITION): it does not
+measure MLA.
 """
 from __future__ import annotations
 
