@@ -161,6 +161,20 @@ absl::StatusOr<EvaluationRow> ParseEvaluation(const EvaluationInput& in) {
     KVCAL_ASSIGN_OR_RETURN(
         auto err1, Matrix(*error_ones, in.name + ": attention_error_ones"));
     FiniteMeanAndMax(err, &row.attention_mean, &row.attention_worst);
+    for (const std::vector<double>& layer : err) {
+      double mean = 0.0;
+      FiniteMeanAndMax({layer}, &mean, nullptr);
+      row.layer_attention.push_back(mean);
+    }
+    if (j.contains("kv_format")) {
+      row.kv_format = j["kv_format"].get<std::string>();
+      if (row.kv_format != "fp8" && row.kv_format != "nvfp4" &&
+          row.kv_format != "nvfp4_4over6") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("evaluation ", in.name, ": kv_format '", row.kv_format,
+                         "' is not fp8, nvfp4 or nvfp4_4over6"));
+      }
+    }
     FiniteMeanAndMax(err1, &row.attention_ones_mean, nullptr);
     KVCAL_RETURN_IF_ERROR(ReadShares(j, in.name, row));
   } catch (const Json::exception& e) {

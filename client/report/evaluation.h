@@ -21,12 +21,17 @@ struct EvaluationRow {
   std::string granularity;
   bool kv_only = false;
   bool q_per_kv_group = true;
+  // The K/V cache format the evaluation emulated: "fp8", "nvfp4" or
+  // "nvfp4_4over6" (an evaluation without the field is FP8).
+  std::string kv_format = "fp8";
   double delta_nll = 0.0;       // calibrated - reference
   double delta_nll_ones = 0.0;  // scale 1.0 - reference
   double perplexity = 0.0;
   double reference_perplexity = 0.0;
   double attention_mean = 0.0, attention_worst = 0.0;
   double attention_ones_mean = 0.0;
+  // Per layer: the mean attention error over the layer's query heads.
+  std::vector<double> layer_attention;
   double saturated = 0.0, saturated_ones = 0.0;  // max over layers x heads
   double subnormal = 0.0;                        // mean
   // Per role [layer][head]: evaluation absmax and the applied scale.

@@ -387,13 +387,62 @@ void EvaluationTableSection(const std::vector<EvaluationRow>& evaluations,
         "<td>%+.4f</td><td>%.3f</td><td>%s / %s</td><td>%s</td><td>%s</td>"
         "<td>%+.4f / %s / %s</td></tr>",
         &r == chosen_row ? " class=\"chosen\"" : "", Escape(r.name),
-        Escape(r.label), Escape(r.granularity), QuantizedName(r.kv_only),
+        Escape(r.label), Escape(r.granularity),
+        QuantizedName(r.kv_only) +
+            (r.kv_format == "fp8" ? "" : " (K/V " + r.kv_format + ")"),
         QScalesName(r), r.delta_nll, r.perplexity, Percent(r.attention_mean),
         Percent(r.attention_worst), Percent(r.saturated, 4),
         Percent(r.subnormal, 3), r.delta_nll_ones,
         Percent(r.attention_ones_mean), Percent(r.saturated_ones, 4));
   }
   body += "</table></section>";
+}
+
+// Which layers to keep out of the quantized cache (candidates by the
+// outlier rule, for `row`: the recommended evaluation) and which cache
+// format keeps the model within the tolerance; both into `summary`.
+void SkipAndFormatSection(const std::vector<EvaluationRow>& evaluations,
+                          const EvaluationRow& row, OrderedJson& summary,
+                          Page& page) {
+  std::string& body = page.body;
+  const SkipCandidates skip = SkipLayerCandidates(row);
+  page.Section("skip-layers", "Layers to leave unquantized");
+  if (skip.layers.empty()) {
+    absl::StrAppendFormat(
+        &body,
+        "<p>None: no layer's mean attention error in %s exceeds %.0fx the "
+        "median layer's (%s).</p>",
+        Escape(row.name), kSkipMedianFactor, Percent(skip.median));
+  } else {
+    std::string layers;
+    for (int l : skip.layers) {
+      absl::StrAppendFormat(&layers, "%s%d (%s)", layers.empty() ? "" : ", ", l,
+                            Percent(row.layer_attention[l]));
+    }
+    absl::StrAppendFormat(
+        &body,
+        "<p>Layers whose mean attention error in %s exceeds %.0fx the median "
+        "layer's (%s): %s. Candidates for <code>%s</code> (vLLM keeps "
+        "those layers' K, V and query in the model's dtype; the KV cache "
+        "takes x%.3f the bytes). Confirm that the held-out loss drops with "
+        "them unquantized before serving so: kvcal-calibrate does this "
+        "re-scoring itself.</p>",
+        Escape(row.name), kSkipMedianFactor, Percent(skip.median), layers,
+        Escape(skip.argument), skip.cache_ratio);
+  }
+  body += "</section>";
+  summary["skip_layers"] = {{"row", row.name},
+                            {"median_layer_error", skip.median},
+                            {"layers", skip.layers},
+                            {"argument", skip.argument},
+                            {"cache_bytes_ratio", skip.cache_ratio}};
+
+  const FormatChoice format = RecommendFormat(evaluations);
+  page.Section("cache-format", "Cache format");
+  absl::StrAppendFormat(&body, "<p>%s.</p>", Escape(format.reason));
+  body += "</section>";
+  summary["cache_format"] = format.json;
+  summary["cache_format"]["reason"] = format.reason;
 }
 
 // Evaluation maxima against calibration maxima (or clip points) for the
@@ -452,8 +501,11 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
   }
   const bool have_estimates =
       in.statistics && in.statistics->geometry().has_histograms();
+  const bool have_fp8_rows =
+      std::any_of(evaluations.begin(), evaluations.end(),
+                  [](const EvaluationRow& r) { return r.kv_format == "fp8"; });
   Recommendation rec =
-      !evaluations.empty() ? RecommendFromEvaluations(evaluations, in.format)
+      have_fp8_rows ? RecommendFromEvaluations(evaluations, in.format)
       : have_estimates && !estimates.empty() ? RecommendFromEstimates(estimates)
                                              : NoRecommendation(in.scales);
   rec.json["reason"] = rec.reason;
@@ -466,14 +518,16 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
   if (in.statistics) {
     estimates_json = EstimatesSection(in, estimates, skipped, page);
   }
+  Report report;
+  report.summary = {{"recommendation", rec.json},
+                    {"estimates", estimates_json}};
   if (!evaluations.empty()) {
+    SkipAndFormatSection(evaluations, rec.row ? *rec.row : evaluations.front(),
+                         report.summary, page);
     EvaluationSections(in, evaluations, rec.row, page);
   }
-  Report report;
   report.html = Document(in, page.body);
-  report.summary = {{"recommendation", rec.json},
-                    {"estimates", estimates_json},
-                    {"figures", page.figures}};
+  report.summary["figures"] = page.figures;
   return report;
 }
 

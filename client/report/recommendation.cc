@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/report/svg.h"
 
@@ -28,13 +29,13 @@ const EvaluationRow* SimplestOrBest(
   const EvaluationRow* base = nullptr;
   const EvaluationRow* best = nullptr;
   for (const EvaluationRow& r : evaluations) {
-    if (r.kv_only != kv_only) continue;
+    if (r.kv_only != kv_only || r.kv_format != "fp8") continue;
     if (!best || r.delta_nll < best->delta_nll) best = &r;
     if (!base && r.observer == "static_minmax" && r.granularity == "tensor") {
       base = &r;
     }
   }
-  if (!base) return best;
+  if (!base || !best) return best;
   // A lower loss with a larger attention error is not trusted: on this
   // few tokens the loss moves by chance, the attention error does not.
   return best->delta_nll < base->delta_nll - kSignificantNats &&
@@ -135,6 +136,98 @@ Recommendation RecommendFromEvaluations(
       best->label, best->granularity, best->delta_nll, best->perplexity,
       best->reference_perplexity, best->delta_nll_ones, ChoiceReason(*best),
       quantize_why, margin, margin_why);
+  return out;
+}
+
+SkipCandidates SkipLayerCandidates(const EvaluationRow& row) {
+  SkipCandidates out;
+  const std::vector<double>& e = row.layer_attention;
+  if (e.empty()) return out;
+  std::vector<double> sorted = e;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  out.median = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+  std::vector<int> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = static_cast<int>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return e[a] > e[b]; });
+  const size_t most = std::max<size_t>(
+      1, static_cast<size_t>(kSkipMaxShare * static_cast<double>(n)));
+  for (int l : order) {
+    if (out.layers.size() >= most || !(e[l] > kSkipMedianFactor * out.median)) {
+      break;
+    }
+    out.layers.push_back(l);
+  }
+  std::sort(out.layers.begin(), out.layers.end());
+  if (!out.layers.empty()) {
+    out.argument = "--kv-cache-dtype-skip-layers";
+    for (int l : out.layers) absl::StrAppend(&out.argument, " ", l);
+    const double b = CacheValueBytes(row.kv_format);
+    const double s = static_cast<double>(out.layers.size());
+    out.cache_ratio = ((static_cast<double>(n) - s) * b + s * 2.0) /
+                      (static_cast<double>(n) * b);
+  }
+  return out;
+}
+
+double CacheValueBytes(const std::string& kv_format) {
+  if (kv_format == "fp8") return 1.0;
+  if (kv_format == "nvfp4" || kv_format == "nvfp4_4over6") return 0.5625;
+  return 2.0;
+}
+
+FormatChoice RecommendFormat(const std::vector<EvaluationRow>& evaluations,
+                             double tolerance) {
+  FormatChoice out;
+  for (const char* format : {"fp8", "nvfp4", "nvfp4_4over6"}) {
+    const EvaluationRow* best = nullptr;
+    for (const EvaluationRow& r : evaluations) {
+      if (r.kv_format == format && (!best || r.delta_nll < best->delta_nll)) {
+        best = &r;
+      }
+    }
+    if (best) out.best.push_back(best);
+  }
+  OrderedJson formats = OrderedJson::array();
+  std::string listed;
+  for (const EvaluationRow* r : out.best) {
+    const bool within = r->delta_nll <= tolerance;
+    if (within && (!out.recommended ||
+                   CacheValueBytes(r->kv_format) <
+                       CacheValueBytes(out.recommended->kv_format) ||
+                   (CacheValueBytes(r->kv_format) ==
+                        CacheValueBytes(out.recommended->kv_format) &&
+                    r->delta_nll < out.recommended->delta_nll))) {
+      out.recommended = r;
+    }
+    formats.push_back(
+        {{"kv_format", r->kv_format},
+         {"row", r->name},
+         {"delta_nll", r->delta_nll},
+         {"attention_error_mean", r->attention_mean},
+         {"cache_bytes_ratio", CacheValueBytes(r->kv_format) / 2.0},
+         {"within_tolerance", within}});
+    absl::StrAppendFormat(&listed, "%s%s %+.4f nats/token (%s, %s)",
+                          listed.empty() ? "" : "; ", r->kv_format,
+                          r->delta_nll, r->label, Percent(r->attention_mean));
+  }
+  const std::string chosen =
+      out.recommended ? out.recommended->kv_format : "auto";
+  out.json = {{"tolerance_nats_per_token", tolerance},
+              {"formats", formats},
+              {"recommended", chosen}};
+  out.reason =
+      out.recommended
+          ? absl::StrFormat(
+                "--kv-cache-dtype %s: the fewest cache bytes among the "
+                "formats within %.3f nats/token (%s)",
+                chosen, tolerance, listed)
+          : absl::StrFormat(
+                "no evaluated cache format is within %.3f nats/token (%s): "
+                "keep the KV cache in the model's dtype "
+                "(--kv-cache-dtype auto)",
+                tolerance, listed);
   return out;
 }
 

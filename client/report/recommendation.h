@@ -49,10 +49,55 @@ const EvaluationRow* SimplestOrBest(
 double MarginFor(const EvaluationRow& best, bool kv_only, Format format,
                  std::string& why);
 
-// From measured evaluations (at least one row): quantize Q too unless it
-// costs more than kSignificantNats over K/V only.
+// From measured evaluations (at least one FP8 row; rows of other cache
+// formats are not scale candidates): quantize Q too unless it costs more than
+// kSignificantNats over K/V only.
 Recommendation RecommendFromEvaluations(
     const std::vector<EvaluationRow>& evaluations, Format format);
+
+// Layers to keep out of the quantized KV cache (vLLM 0.34's
+// --kv-cache-dtype-skip-layers, which keeps a layer's K, V and query in the
+// model's dtype): those whose mean attention error exceeds
+// kSkipMedianFactor x the median layer's, the worst first, at most
+// kSkipMaxShare of the layers (at least one). The same rule as
+// kvcal-calibrate's (python/kvcal/skip_layers.py), which then re-scores
+// the model with them unquantized and advises them only when the held-out
+// loss drops measurably; the report has no model to re-score, so these are
+// candidates to verify.
+constexpr double kSkipMedianFactor = 3.0;
+constexpr double kSkipMaxShare = 0.25;
+
+struct SkipCandidates {
+  std::vector<int> layers;  // ascending
+  double median = 0.0;      // the median layer's mean attention error
+  std::string argument;     // "--kv-cache-dtype-skip-layers 3 17", or ""
+  // The KV cache bytes per token with `layers` in 16 bits over those with
+  // every layer quantized in `row`'s format.
+  double cache_ratio = 1.0;
+};
+SkipCandidates SkipLayerCandidates(const EvaluationRow& row);
+
+// Bytes per cached K or V value in vLLM 0.34's cache formats: fp8 1,
+// nvfp4 and nvfp4_4over6 9/16 (4-bit values and one E4M3 scale per 16);
+// the model's 16-bit dtype 2.
+double CacheValueBytes(const std::string& kv_format);
+
+// The held-out loss (nats per token) a recommended cache format may add;
+// kvcal-calibrate's --tolerance default.
+constexpr double kFormatToleranceNats = 0.02;
+
+// Which KV cache format keeps the model within `tolerance`: of each
+// format's lowest-loss row, the one with the fewest cache bytes whose
+// Δ nats/token is at most `tolerance` (ties: the lower Δ); none (keep the
+// cache in 16 bits) when no format is within it.
+struct FormatChoice {
+  std::vector<const EvaluationRow*> best;      // one per format present
+  const EvaluationRow* recommended = nullptr;  // null: none is within
+  OrderedJson json;
+  std::string reason;
+};
+FormatChoice RecommendFormat(const std::vector<EvaluationRow>& evaluations,
+                             double tolerance = kFormatToleranceNats);
 
 // From the statistics alone (at least one estimate): the lowest estimated
 // K/V error, per tensor when it is within 2% of the best per head.

@@ -931,6 +931,12 @@ def _patch_and_report(run: "_Run", scoring: SimpleNamespace) -> SimpleNamespace:
         path = os.path.join(run.work, f"eval-{len(evals)}.json")
         c.evaluation.to_json(path)
         evals.append(path)
+    # The other cache formats' runs: the report's "Cache format" section.
+    for f in scoring.formats.figures if scoring.formats is not None else []:
+        if f.evaluation is not None:
+            path = os.path.join(run.work, f"eval-{len(evals)}-{f.kv_format}.json")
+            f.evaluation.to_json(path)
+            evals.append(path)
     rep_target = ",".join(o.server) if o.server else run.worker.target
     report_note = ""
     try:

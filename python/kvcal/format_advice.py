@@ -50,6 +50,7 @@ class FormatFigure:
     attention_error: float             # mean relative RMS error of attention
     skip: Optional[skip_layers.SkipAdvice] = None
     ones_delta: float = math.nan       # Δ with global scale 1.0 (NVFP4), for comparison
+    evaluation: Optional[object] = None  # kvcal.torch.Evaluation (formats other than FP8)
 
     @property
     def best_delta(self) -> float:
@@ -188,7 +189,8 @@ def compare(model, batches: list, chosen: select.Candidate,
         if progress:
             progress()
         advice.figures.append(FormatFigure(fmt, c.label, c.delta, c.se, _mean_error(c), skip,
-                                           ones_delta=ones.delta if ones else math.nan))
+                                           ones_delta=ones.delta if ones else math.nan,
+                                           evaluation=c.evaluation))
     advice.recommended = recommend(advice.figures, tolerance)
     return advice
 

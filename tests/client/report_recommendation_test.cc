@@ -190,5 +190,77 @@ TEST(NoRecommendationTest, FallsBackToTheScalesFileOrStaticMinMax) {
   EXPECT_EQ(from_file.json["granularity"], "head");
 }
 
+TEST(SimplestOrBestTest, RowsOfAnotherCacheFormatAreNotScaleCandidates) {
+  std::vector<EvaluationRow> rows = {
+      Row("static_minmax", "tensor", true, 0.050, 0.060),
+      Row("mse", "tensor", true, 0.050 - 5 * kSignificantNats, 0.010),
+  };
+  rows[1].kv_format = "nvfp4";
+  EXPECT_EQ(SimplestOrBest(rows, true), &rows[0]);
+  rows[0].kv_format = "nvfp4";
+  EXPECT_EQ(SimplestOrBest(rows, true), nullptr);
+}
+
+EvaluationRow WithLayers(std::vector<double> layer_attention,
+                         const std::string& kv_format = "fp8") {
+  EvaluationRow r = Row("static_minmax", "tensor", true, 0.01, 0.05);
+  r.layer_attention = std::move(layer_attention);
+  r.kv_format = kv_format;
+  return r;
+}
+
+TEST(SkipLayerCandidatesTest, OutliersAboveThreeTimesTheMedianWorstFirst) {
+  // Median of 8 layers: (0.02 + 0.02) / 2; 0.061 and 0.3 exceed 3x it.
+  const SkipCandidates s = SkipLayerCandidates(
+      WithLayers({0.02, 0.3, 0.02, 0.02, 0.061, 0.02, 0.059, 0.02}));
+  EXPECT_DOUBLE_EQ(s.median, 0.02);
+  EXPECT_EQ(s.layers, (std::vector<int>{1, 4}));
+  EXPECT_EQ(s.argument, "--kv-cache-dtype-skip-layers 1 4");
+  // 6 layers at 1 byte, 2 at 2 bytes, over 8 at 1 byte.
+  EXPECT_DOUBLE_EQ(s.cache_ratio, 10.0 / 8.0);
+}
+
+TEST(SkipLayerCandidatesTest, AtMostAQuarterOfTheLayersTheWorstKept) {
+  const SkipCandidates s = SkipLayerCandidates(
+      WithLayers({0.9, 0.01, 0.8, 0.01, 0.7, 0.01, 0.01, 0.01}, "nvfp4"));
+  EXPECT_EQ(s.layers, (std::vector<int>{0, 2}));  // 0.7 is cut by the share
+  EXPECT_DOUBLE_EQ(s.cache_ratio, (6 * 0.5625 + 2 * 2.0) / (8 * 0.5625));
+}
+
+TEST(SkipLayerCandidatesTest, NoneWhenNoLayerStandsOut) {
+  const SkipCandidates s = SkipLayerCandidates(WithLayers({0.05, 0.1, 0.14}));
+  EXPECT_TRUE(s.layers.empty());
+  EXPECT_EQ(s.argument, "");
+  EXPECT_DOUBLE_EQ(s.cache_ratio, 1.0);
+  EXPECT_TRUE(SkipLayerCandidates(WithLayers({})).layers.empty());
+}
+
+TEST(RecommendFormatTest, CheapestFormatWithinTheTolerance) {
+  std::vector<EvaluationRow> rows = {
+      Row("static_minmax", "tensor", true, 0.004, 0.06),
+      Row("mse", "tensor", true, 0.002, 0.06),
+      Row("static_minmax", "tensor", true, 0.015, 0.19),
+      Row("static_minmax", "tensor", true, 0.012, 0.18),
+  };
+  rows[2].kv_format = "nvfp4";
+  rows[3].kv_format = "nvfp4_4over6";
+  FormatChoice loose = RecommendFormat(rows, 0.02);
+  ASSERT_EQ(loose.best.size(), 3u);
+  EXPECT_EQ(loose.best[0], &rows[1]);      // FP8's lowest-loss row
+  EXPECT_EQ(loose.recommended, &rows[3]);  // NVFP4 bytes, the lower loss
+  EXPECT_EQ(loose.json["recommended"], "nvfp4_4over6");
+  EXPECT_THAT(loose.reason, HasSubstr("--kv-cache-dtype nvfp4_4over6"));
+
+  FormatChoice tight = RecommendFormat(rows, 0.01);
+  EXPECT_EQ(tight.recommended, &rows[1]);
+  EXPECT_EQ(tight.json["recommended"], "fp8");
+
+  FormatChoice none = RecommendFormat(rows, 0.001);
+  EXPECT_EQ(none.recommended, nullptr);
+  EXPECT_EQ(none.json["recommended"], "auto");
+  EXPECT_THAT(none.reason, HasSubstr("--kv-cache-dtype auto"));
+  EXPECT_FALSE(none.json["formats"][0]["within_tolerance"].get<bool>());
+}
+
 }  // namespace
 }  // namespace kvcal::report

@@ -323,6 +323,12 @@ def test_report_renders_without_console_errors(calibrated):
     for c in calibrated["json"]["candidates"]:
         if c["observer"] and not c["same_as"]:
             assert c["label"] in dom, c["label"]
+    # The NVFP4 run is in the evaluation table and the cache-format section,
+    # which names the format kvcal-calibrate recommended (the same rule).
+    assert "(K/V nvfp4)" in dom
+    assert "Layers to leave unquantized" in dom and "Cache format" in dom
+    want = calibrated["json"]["cache_formats"]["recommended"]
+    assert f"--kv-cache-dtype {want}" in dom
 
 
 # -- resume, interrupts, failures ----------------------------------------------------
