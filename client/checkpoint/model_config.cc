@@ -64,10 +64,15 @@ absl::Status Refuse(const std::string& key, absl::string_view why) {
 
 // Multi-head latent attention and split RoPE/non-RoPE or value head sizes.
 absl::Status CheckLatentAttention(const Json& config) {
+  // tests/python/test_mla_vllm_loader.py runs vLLM 0.34's loader on a
+  // DeepseekV3: no checkpoint name reaches MLAAttention's scales (the
+  // cache-scale name mapper renames them past the MLA layer).
   constexpr absl::string_view kMla =
-      "DeepSeek-style multi-head latent attention (kv_lora_rank) is not "
-      "supported yet (vLLM caches one compressed latent per token, not per "
-      "head K and V)";
+      "DeepSeek-style multi-head latent attention (kv_lora_rank): vLLM 0.34 "
+      "caches one compressed latent per token, and its weight loader drops "
+      "every calibrated MLA scale whatever the checkpoint calls it ('not "
+      "loaded', then 1.0), so there is nothing to patch; "
+      "kvcal.torch.capture_mla measures the latent's scales";
   if (IsSet(config, "kv_lora_rank")) {
     return Refuse(absl::StrCat("kv_lora_rank ", config["kv_lora_rank"].dump()),
                   kMla);

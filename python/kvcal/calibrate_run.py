@@ -214,8 +214,9 @@ def check_config(config: dict, where: str) -> dict:
     if text.get("kv_lora_rank"):
         raise CalibrateError(
             f"{where} uses multi-head latent attention (kv_lora_rank {text['kv_lora_rank']}, "
-            f"model_type {text.get('model_type', '?')}): vLLM's FP8 KV cache for MLA holds the "
-            f"compressed latent, not per-head K and V, and kvcal does not calibrate it yet")
+            f"model_type {text.get('model_type', '?')}): vLLM 0.34 caches one compressed latent "
+            f"per token, and its weight loader drops every calibrated MLA scale whatever the "
+            f"checkpoint calls it ('not loaded', then 1.0), so there is nothing to patch")
     heads = text.get("num_attention_heads")
     layers = text.get("num_hidden_layers", text.get("n_layer"))
     if not heads or not layers:

@@ -53,8 +53,13 @@ class KvcalError(RuntimeError):
 # Attention kvcal does not calibrate (client/checkpoint/model_config.cc has the same
 # rules): refused with the config key that says so, never read as ordinary
 # attention. vLLM 0.34 caches one compressed latent per token for MLA, not
-# per-head K and V.
-MLA_NOT_SUPPORTED = "DeepSeek-style multi-head latent attention (kv_lora_rank) is not supported yet"
+# per-head K and V, and its loader takes no calibrated MLA scale from a
+# checkpoint (tests/python/test_mla_vllm_loader.py).
+MLA_NOT_SUPPORTED = ("DeepSeek-style multi-head latent attention (kv_lora_rank): vLLM 0.34 caches "
+                     "one compressed latent per token, and its weight loader drops every "
+                     "calibrated MLA scale whatever the checkpoint calls it ('not loaded', then "
+                     "1.0), so there is nothing to patch; kvcal.torch.capture_mla measures the "
+                     "latent's scales")
 _MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_mtp", "kimi_k2",
                     "kimi_linear", "glm4_moe_lite", "glm_moe_dsa", "axk1", "longcat_flash",
                     "mistral_large_4", "pangu_ultra_moe")

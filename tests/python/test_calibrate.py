@@ -536,7 +536,7 @@ def test_bad_input_is_one_line_and_changes_nothing(case, smollm2_dir, bad_models
 def test_mla_refused_in_place_too(bad_models, dataset, capsys):
     before = snapshot(bad_models["mla"])
     code, err, _ = in_process(capsys, bad_models["mla"], "--dataset", dataset)
-    assert code == 1 and "kvcal does not calibrate it yet" in one_line(err)
+    assert code == 1 and "so there is nothing to patch" in one_line(err)
     assert snapshot(bad_models["mla"]) == before
 
 
