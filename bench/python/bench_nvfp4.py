@@ -2,7 +2,10 @@
 (docs/quality.md, "NVFP4 KV cache vs FP8").
 
     PYTHONPATH=python python bench/python/bench_nvfp4.py [--cal-batches 4] \\
-        [--eval-batches 2] [--batch-size 2] [--seq 256]
+        [--eval-batches 2] [--batch-size 2] [--seq 256] [--keys-times 64]
+
+--keys-times A runs it on the large-key variant (kvcal.torch.rescale_keys:
+every key times A, the model's output unchanged).
 
 Calibrates static min-max per tensor through a CPU worker on GPL-3
 (tests/python/smollm2.py's text and model), then scores on GPL-2 +
@@ -54,6 +57,8 @@ def main():
 
     start = time.monotonic()
     a, model, cal, held_out = smollm2_bench_inputs()
+    if a.keys_times != 1.0:
+        kvcal.torch.rescale_keys(model, a.keys_times)
     layers = model.config.num_hidden_layers
     worker = Worker(tempfile.mkdtemp(prefix="kvcal-nvfp4-")).start()
     try:
@@ -85,7 +90,8 @@ def main():
                                               nvfp4["held-out amax / 448"]),
                ("NVFP4 kvcal", nvfp4["kvcal static min-max"]),
                ("4over6 1.0", four["1.0"]), ("4over6 kvcal", four["kvcal static min-max"])]
-    print(f"SmolLM2-135M-Instruct, K/V only, calibration {a.cal_batches} x {a.batch_size} x "
+    variant = f" with keys x{a.keys_times:g}" if a.keys_times != 1.0 else ""
+    print(f"SmolLM2-135M-Instruct{variant}, K/V only, calibration {a.cal_batches} x {a.batch_size} x "
           f"{a.seq} tokens (GPL-3), held out {a.eval_batches} x {a.batch_size} x {a.seq} "
           f"(GPL-2, Apache-2.0), {info['tokens']} predicted tokens, unquantized "
           f"{info['reference_nll']:.4f} nats/token\n")

@@ -78,15 +78,20 @@ def _attention_interface():
     return ALL_ATTENTION_FUNCTIONS
 
 
+def _layer_attention_modules(model):
+    """The model's modules that are a layer's attention: a class named
+    ...Attention with an integer layer_idx (transformers' convention)."""
+    for module in model.modules():
+        if (type(module).__name__.endswith("Attention")
+                and isinstance(getattr(module, "layer_idx", None), int)):
+            yield module
+
+
 def _attention_modules(model) -> List:
     """The model's self-attention modules: a layer_idx, a config naming the
     attention implementation, and q/k/v projections or a fused qkv."""
     found = []
-    for module in model.modules():
-        if not type(module).__name__.endswith("Attention"):
-            continue
-        if not isinstance(getattr(module, "layer_idx", None), int):
-            continue
+    for module in _layer_attention_modules(model):
         if getattr(getattr(module, "config", None), "_attn_implementation", None) is None:
             continue
         if getattr(module, "is_cross_attention", False):

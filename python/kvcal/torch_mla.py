@@ -92,11 +92,7 @@ def mla_geometry(config):
 
 def _mla_modules(model) -> List:
     found = []
-    for module in model.modules():
-        if not type(module).__name__.endswith("Attention"):
-            continue
-        if not isinstance(getattr(module, "layer_idx", None), int):
-            continue
+    for module in _kt._layer_attention_modules(model):
         if not all(hasattr(module, a) for a in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
                                                 "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                                 "v_head_dim", "num_heads")):

@@ -51,6 +51,9 @@ def smollm2_bench_inputs():
     ap.add_argument("--eval-batches", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--keys-times", type=float, default=1.0,
+                    help="bench_nvfp4 only: run on the large-key variant, keys scaled by this "
+                         "(kvcal.torch.rescale_keys; 64 as test_quality.py)")
     a = ap.parse_args()
     torch.manual_seed(0)
     model, tokenizer = smollm2.load()
