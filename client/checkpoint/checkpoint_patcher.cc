@@ -174,6 +174,10 @@ std::string CompletionCommand(const PatchOptions& options) {
     absl::StrAppend(&command, " --target ",
                     std::string(PatchTargetName(options.target)));
   }
+  if (options.kv_cache != PatchKvCache::kFp8) {
+    absl::StrAppend(&command, " --kv-cache-dtype ",
+                    std::string(PatchKvCacheName(options.kv_cache)));
+  }
   return command;
 }
 
@@ -511,16 +515,17 @@ absl::StatusOr<PatchPlan> Plan(const Checkpoint& c,
                                const PatchOptions& options,
                                PatchReport& report) {
   PatchPlan plan;
-  KVCAL_RETURN_IF_ERROR(CheckScalesForVllm(scales, c.geometry, options.target));
-  plan.config = c.config;
   KVCAL_RETURN_IF_ERROR(
-      UpdateConfig(plan.config, options.target, scales, c.dir));
+      CheckScalesForVllm(scales, c.geometry, options.target, options.kv_cache));
+  plan.config = c.config;
+  KVCAL_RETURN_IF_ERROR(UpdateConfig(plan.config, options.target,
+                                     options.kv_cache, scales, c.dir));
   plan.new_tensors = ScaleTensors(scales, options.target, c.prefix);
   for (const NewTensor& t : plan.new_tensors) plan.new_names.insert(t.name);
   report.scale_tensors = plan.new_tensors.size();
-  KVCAL_RETURN_IF_ERROR(
-      CheckVllmUsesTheScales(plan.config, c.geometry, scales, options.target,
-                             c.existing_scales, plan.new_tensors, report));
+  KVCAL_RETURN_IF_ERROR(CheckVllmUsesTheScales(
+      plan.config, c.geometry, scales, options.target, options.kv_cache,
+      c.existing_scales, plan.new_tensors, report));
   plan.files = PlanFiles(c, plan.new_names, report);
 
   uint64_t scale_bytes = 0;
@@ -872,6 +877,26 @@ absl::Status PatchFailed(const absl::Status& status, bool committed,
 }
 
 }  // namespace
+
+absl::StatusOr<PatchKvCache> ParsePatchKvCache(absl::string_view name) {
+  if (name == "fp8") return PatchKvCache::kFp8;
+  if (name == "nvfp4") return PatchKvCache::kNvfp4;
+  if (name == "nvfp4_4over6") {
+    // utils/torch_utils.py MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP: a checkpoint
+    // declares fp8 or nvfp4; 4over6 is a store variant chosen at start.
+    return absl::InvalidArgumentError(
+        "a checkpoint cannot declare nvfp4_4over6 (vLLM 0.34 maps a ModelOpt "
+        "KV-cache algorithm to fp8 or nvfp4 only): patch with "
+        "--kv-cache-dtype nvfp4 and start vLLM with --kv-cache-dtype "
+        "nvfp4_4over6, which uses the same scales");
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown KV cache dtype '", name, "' (fp8 or nvfp4)"));
+}
+
+absl::string_view PatchKvCacheName(PatchKvCache kv_cache) {
+  return kv_cache == PatchKvCache::kNvfp4 ? "nvfp4" : "fp8";
+}
 
 absl::Status CheckShardFileName(absl::string_view name) {
   if (name.empty() || name == "." || name == ".." ||

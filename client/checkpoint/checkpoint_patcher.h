@@ -68,6 +68,16 @@ inline constexpr char kIndexName[] = "model.safetensors.index.json";
 // the reader open, and the patcher rewrite, files outside the checkpoint.
 absl::Status CheckShardFileName(absl::string_view name);
 
+// The KV cache a patched checkpoint declares, which vLLM 0.34 then runs
+// with `--kv-cache-dtype auto`: fp8 (e4m3), or NVFP4, whose per-layer
+// global scale is 1 / k_scale (1 / v_scale) from the same per-tensor scales
+// (ModelOpt writes amax / 448 for both). NVFP4 is declared by a ModelOpt
+// config only (--target modelopt), with per-tensor scales.
+enum class PatchKvCache { kFp8, kNvfp4 };
+// "fp8" or "nvfp4" (`kvcal patch --kv-cache-dtype`).
+absl::StatusOr<PatchKvCache> ParsePatchKvCache(absl::string_view name);
+absl::string_view PatchKvCacheName(PatchKvCache kv_cache);
+
 struct PatchOptions {
   std::string checkpoint_dir;
   std::string scales_path;
@@ -89,6 +99,8 @@ struct PatchOptions {
   // options (`kvcal calibrate` takes it before it reads config.json); then
   // PatchCheckpoint takes none itself.
   const CheckpointLock* lock = nullptr;
+  // The KV cache the patched config.json declares.
+  PatchKvCache kv_cache = PatchKvCache::kFp8;
 };
 
 // The lock PatchCheckpoint takes for `options`: exclusive in place; shared

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/checkpoint/tensor_names.h"
@@ -32,6 +34,24 @@ Json KvCacheScheme(const CalibratedScales& scales) {
           {"strategy", scales.granularity == Granularity::kPerHead ? "attn_head"
                                                                    : "tensor"},
           {"group_size", nullptr},
+          {"block_structure", nullptr},
+          {"actorder", nullptr},
+          {"observer", scales.observer},
+          {"observer_kwargs", Json::object()}};
+}
+
+// ModelOpt's flat config.json form of an NVFP4 KV cache: what vLLM 0.34's
+// dtype resolver (utils/torch_utils.py get_kv_cache_quant_algo_string)
+// turns into an "nvfp4" cache is type float, num_bits 4; the rest says what
+// the cache is (blocks of 16 under one per-tensor global scale) and which
+// observer made the scales.
+Json Nvfp4KvCacheScheme(const CalibratedScales& scales) {
+  return {{"num_bits", 4},
+          {"type", "float"},
+          {"symmetric", true},
+          {"dynamic", false},
+          {"strategy", "tensor_group"},
+          {"group_size", 16},
           {"block_structure", nullptr},
           {"actorder", nullptr},
           {"observer", scales.observer},
@@ -115,8 +135,9 @@ absl::Status UpdateQuarkConfig(Json& quark) {
 }  // namespace
 
 absl::Status UpdateConfig(Json& config, PatchTarget target,
-                          const CalibratedScales& scales,
+                          PatchKvCache kv_cache, const CalibratedScales& scales,
                           const fs::path& checkpoint_dir) {
+  const bool nvfp4 = kv_cache == PatchKvCache::kNvfp4;
   Json* existing = nullptr;
   if (config.contains("quantization_config") &&
       config["quantization_config"].is_object()) {
@@ -170,14 +191,38 @@ absl::Status UpdateConfig(Json& config, PatchTarget target,
       if (existing->contains("quantization") &&
           (*existing)["quantization"].is_object()) {
         // Nested form: ModelOptQuantConfigBase.from_config reads
-        // quantization.kv_cache_quant_algo.
-        (*existing)["quantization"]["kv_cache_quant_algo"] = "FP8";
-      } else {
-        // Flat config.json form: from_config reads only a kv_cache_scheme
-        // dict (a MIXED_PRECISION model without one drops every KV scale),
-        // and the dtype resolver makes it an fp8 cache.
-        (*existing)["kv_cache_scheme"] = KvCacheScheme(scales);
+        // quantization.kv_cache_quant_algo, and the dtype resolver maps
+        // "FP8" / "NVFP4" to an fp8_e4m3 / nvfp4 cache
+        // (MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP).
+        (*existing)["quantization"]["kv_cache_quant_algo"] =
+            nvfp4 ? "NVFP4" : "FP8";
+        return absl::OkStatus();
       }
+      // Flat config.json form: the dtype resolver reads kv_cache_scheme
+      // (num_bits 8: fp8_e4m3; num_bits 4: nvfp4); from_config makes a
+      // KV-cache algorithm of num_bits 8 only. Every ModelOpt config but
+      // MIXED_PRECISION gives the attention layers their KV-cache method
+      // anyway (ModelOptQuantConfigBase.get_quant_method).
+      if (nvfp4) {
+        const std::string algo =
+            (*existing).contains("quant_algo") &&
+                    (*existing)["quant_algo"].is_string()
+                ? (*existing)["quant_algo"].get<std::string>()
+                : "";
+        if (absl::AsciiStrToUpper(algo) == "MIXED_PRECISION") {
+          return absl::FailedPreconditionError(
+              "an NVFP4 KV cache cannot be declared in a flat MIXED_PRECISION "
+              "ModelOpt config: vLLM 0.34 makes a KV-cache algorithm of a "
+              "num_bits 8 kv_cache_scheme only (modelopt.py "
+              "ModelOptQuantConfigBase.from_config), and without one "
+              "ModelOptMixedPrecisionConfig.get_quant_method gives the "
+              "attention layers no KV-cache method, so the cache would be "
+              "nvfp4 with every scale dropped (1.0); patch for fp8, or export "
+              "the model with ModelOpt's NVFP4 KV cache");
+        }
+      }
+      (*existing)["kv_cache_scheme"] =
+          nvfp4 ? Nvfp4KvCacheScheme(scales) : KvCacheScheme(scales);
       return absl::OkStatus();
     }
     case PatchTarget::kQuark:
@@ -193,7 +238,43 @@ absl::Status UpdateConfig(Json& config, PatchTarget target,
 
 // What vLLM 0.34 can load at all, checked before anything is written.
 absl::Status CheckScalesForVllm(const CalibratedScales& scales,
-                                const ModelGeometry& g, PatchTarget target) {
+                                const ModelGeometry& g, PatchTarget target,
+                                PatchKvCache kv_cache) {
+  if (kv_cache == PatchKvCache::kNvfp4) {
+    if (target == PatchTarget::kCompressedTensors) {
+      return absl::InvalidArgumentError(
+          "--target compressed-tensors cannot declare an NVFP4 KV cache: "
+          "vLLM 0.34 accepts only a kv_cache_scheme of type float, num_bits 8 "
+          "and stops with NotImplementedError on num_bits 4 "
+          "(compressed_tensors.py "
+          "CompressedTensorsKVCacheMethod.validate_kv_cache_scheme), and "
+          "reads the cache dtype from ModelOpt configs only "
+          "(utils/torch_utils.py get_kv_cache_quant_algo_string); use "
+          "--target modelopt on a ModelOpt model, or patch for fp8 and start "
+          "vLLM with --kv-cache-dtype nvfp4 (check it with `kvcal inspect "
+          "--kv-cache-dtype nvfp4`)");
+    }
+    if (target == PatchTarget::kQuark) {
+      return absl::InvalidArgumentError(
+          "--target quark cannot declare an NVFP4 KV cache: vLLM 0.34 "
+          "accepts only an fp8_e4m3 KV cache in a Quark config "
+          "(quark/quark.py QuarkKVCacheMethod.validate_kv_cache_config) and "
+          "never takes the cache dtype from one (utils/torch_utils.py "
+          "get_kv_cache_quant_algo_string reads ModelOpt configs only); "
+          "patch for fp8 and start vLLM with --kv-cache-dtype nvfp4 (check "
+          "it with `kvcal inspect --kv-cache-dtype nvfp4`)");
+    }
+    if (scales.granularity != Granularity::kPerTensor) {
+      return absl::InvalidArgumentError(
+          "an NVFP4 KV cache takes per-tensor scales only: its global scale "
+          "is one scalar per layer and side (1 / k_scale, 1 / v_scale), "
+          "which vLLM 0.34's NVFP4 store kernels read "
+          "(csrc/nvfp4_kv_cache_kernels.cu; FlashInfer's nvfp4 append), and "
+          "the ModelOpt loader accepts scalars only (quantization/kv_cache.py "
+          "KVCacheScaleParameter.weight_loader); finalize with "
+          "--granularity tensor");
+    }
+  }
   auto format = scales.metadata.find("format");
   const std::string fmt =
       format == scales.metadata.end() ? "float8_e4m3fn" : format->second;
@@ -268,7 +349,8 @@ absl::Status CheckScalesForVllm(const CalibratedScales& scales,
 // the scales file does not have lands in report.warnings.
 absl::Status CheckVllmUsesTheScales(
     const Json& config, const ModelGeometry& g, const CalibratedScales& scales,
-    PatchTarget target, const std::vector<VllmScaleTensor>& existing,
+    PatchTarget target, PatchKvCache kv_cache,
+    const std::vector<VllmScaleTensor>& existing,
     const std::vector<NewTensor>& added, PatchReport& report) {
   std::set<std::string> added_names;
   std::vector<VllmScaleTensor> tensors;
@@ -289,6 +371,19 @@ absl::Status CheckVllmUsesTheScales(
   }
   const VllmPrediction p = PredictVllmLoad(config, g, tensors, options);
   std::vector<std::string> problems = p.refusals;
+  // The cache the config declares is the one asked for (a stale
+  // kv_cache_scheme the resolver reads first would make it another).
+  const bool cache_as_asked = kv_cache == PatchKvCache::kNvfp4
+                                  ? p.kv_cache_dtype == "nvfp4"
+                                  : absl::StartsWith(p.kv_cache_dtype, "fp8");
+  if (!cache_as_asked) {
+    problems.push_back(absl::StrCat(
+        "vLLM ", kVllmVersion, " would run a '", p.kv_cache_dtype,
+        "' KV cache with --kv-cache-dtype ", options.kv_cache_dtype,
+        ", not the ", PatchKvCacheName(kv_cache),
+        " cache asked for (utils/torch_utils.py "
+        "get_kv_cache_quant_algo_string)"));
+  }
   for (const auto& [layer, roles] : scales.layers) {
     for (Role role : kAllRoles) {
       std::vector<float> want = roles[RoleIndex(role)];

@@ -50,6 +50,10 @@ constexpr char kDtypeResolver[] =
     "utils/torch_utils.py get_kv_cache_quant_algo_string";
 constexpr char kAttentionInit[] =
     "model_executor/layers/attention/attention.py Attention.__init__";
+constexpr char kFlashInfer[] = "v1/attention/backends/flashinfer.py";
+constexpr char kNoBackend[] =
+    "\"No valid attention backend found\" (platforms/cuda.py "
+    "get_attn_backend_cls)";
 
 const Json* Member(const Json& object, const char* key) {
   if (!object.is_object()) return nullptr;
@@ -240,7 +244,8 @@ void CheckModelOpt(const Json& qc, MethodFacts& facts, VllmPrediction& p) {
         StringMember(*kv, "type") == "float") {
       // The dict becomes "fp8", which the string map turns into fp8_e4m3.
       facts.cache_from_config = "fp8_e4m3";
-    } else if (IsNumber(Member(*kv, "num_bits"), 4)) {
+    } else if (IsNumber(Member(*kv, "num_bits"), 4) &&
+               StringMember(*kv, "type") == "float") {
       facts.cache_from_config = "nvfp4";
     }
   } else if (kv != nullptr && kv->is_string()) {
@@ -507,6 +512,92 @@ void PredictBackends(bool rocm, VllmPrediction& p) {
   }
 }
 
+// The NVFP4 caches vLLM 0.34 serves for a decoder (non-MLA) model
+// (config/cache.py CacheDType; v1/kv_cache_interface.py get_kv_quant_mode:
+// KVQuantMode.NVFP4, a quantized cache for BaseKVCacheMethod).
+bool IsNvfp4Cache(const std::string& dtype) {
+  return dtype == "nvfp4" || dtype == "nvfp4_4over6";
+}
+
+// Which attention backends serve an NVFP4 cache (kFlashInfer). FlashInfer
+// is the only one whose supported_kv_cache_dtypes list nvfp4 (FLASH_ATTN,
+// TRITON_ATTN, FLEX_ATTENTION, B12X and the ROCm backends do not).
+// FlashInferBackend.supports_kv_cache_dtype splits it by GPU family:
+// 8.x, 9.x and 12.x (_nvfp4_kv_on_fa2) run its FA2 path, "nvfp4" only (its
+// store, FlashInfer's nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
+// has no 4over6 scale search), not at head size 64 and not with attention
+// sinks (supports_combination), the query kept in the model dtype
+// (FlashInferMetadataBuilder.get_q_data_type; FlashInferImpl.forward passes
+// q_scale=1.0); 10.x runs trtllm-gen (supports_trtllm_attention for prefill
+// and decode), both variants, stored by vLLM's reshape_and_cache_flash
+// NVFP4 kernel, the query quantized to FP8 with q_scale. Both stores read
+// one scalar per layer and side: the global scale 1 / k_scale (1 / v_scale).
+void PredictNvfp4Backends(const VllmLoadOptions& options,
+                          const ModelGeometry& g, VllmPrediction& p) {
+  const std::string& dtype = p.kv_cache_dtype;
+  if (options.platform == VllmPlatform::kRocm) {
+    p.refusals.push_back(absl::StrCat(
+        "--kv-cache-dtype ", dtype,
+        " on ROCm: no ROCm attention backend lists nvfp4 among its "
+        "supported_kv_cache_dtypes; ",
+        kNoBackend));
+    return;
+  }
+  if (p.per_head) {
+    p.refusals.push_back(absl::StrCat(
+        "per-head scales with an ", dtype,
+        " cache: FlashInfer, the only backend with an NVFP4 cache, has no "
+        "per-head quant scales (v1/attention/backend.py "
+        "validate_configuration) and its NVFP4 store reads one global scale "
+        "per layer; ",
+        kNoBackend));
+    return;
+  }
+  const uint32_t head = g.head_dim;
+  if (head != 64 && head != 128 && head != 256 && head != 512) {
+    p.refusals.push_back(absl::StrCat(
+        "head size ", head,
+        ": FlashInfer, the only backend with an NVFP4 "
+        "cache, supports head sizes 64, 128, 256 and 512 (",
+        kFlashInfer, " FlashInferBackend.get_supported_head_sizes); ",
+        kNoBackend));
+    return;
+  }
+  const bool fa2 = dtype == "nvfp4" && head != 64;
+  if (fa2) {
+    p.backends =
+        "FLASHINFER only: trtllm-gen on compute capability 10.x (SM100 "
+        "family), its FA2 path on 8.x, 9.x and 12.x";
+  } else {
+    p.backends =
+        "FLASHINFER trtllm-gen only, on compute capability 10.x (SM100 "
+        "family)";
+    p.notes.push_back(absl::StrCat(
+        dtype == "nvfp4" ? "head size 64" : "nvfp4_4over6",
+        ": FlashInfer's FA2 path (compute capability 8.x, 9.x, 12.x) refuses "
+        "it (",
+        kFlashInfer,
+        dtype == "nvfp4"
+            ? " FlashInferBackend.supports_combination: \"fa2 prefill "
+              "misreads an NVFP4 KV cache at head_size 64\")"
+            : " FlashInferBackend.supports_kv_cache_dtype: the FA2 store has "
+              "no 4over6 scale search)",
+        "; other GPUs stop at start with ", kNoBackend));
+  }
+  p.notes.push_back(absl::StrCat(
+      dtype,
+      " cache: each block of 16 K (V) values gets an e4m3 block scale "
+      "relative to the layer's global scale 1 / k_scale (1 / v_scale); on "
+      "compute capability 10.x (trtllm-gen) vLLM also quantizes the query to "
+      "FP8 with q_scale and writes the attention output in FP8",
+      fa2 ? "; on the FA2 path the query stays in the model dtype and "
+            "q_scale is not used"
+          : "",
+      " (", kFlashInfer,
+      " FlashInferMetadataBuilder.get_q_data_type, "
+      "FlashInferImpl.forward)"));
+}
+
 // Which attention parameter each scale tensor loads into (kLoaderRule), by
 // (layer, role index); names that load nowhere are refusals or silent drops.
 std::map<std::pair<uint32_t, int>, Loaded> MapScaleTensors(
@@ -699,7 +790,11 @@ void PredictBaseKvCacheLayer(uint32_t layer, const std::string& where,
         where, "q_scale ", in[0] == nullptr ? "missing" : absl::StrCat(raw[0]),
         ": vLLM quantizes the query with 1.0 (its log says it falls back to "
         "k_scale, the code then sets 1.0) (",
-        kBaseProcess, ")"));
+        kBaseProcess, ")",
+        IsNvfp4Cache(p.kv_cache_dtype)
+            ? "; with an NVFP4 cache that is the FP8 query of compute "
+              "capability 10.x (trtllm-gen)"
+            : ""));
   }
   for (int r = 1; r < 3; ++r) {
     if (in[r] != nullptr && !std::isfinite(raw[r])) {
@@ -737,12 +832,13 @@ void PredictUnusedCacheLayer(bool any_loaded, const VllmLoadOptions& options,
   }
   if (warned.unused || !any_loaded) return;
   warned.unused = true;
-  p.silent.push_back(absl::StrCat(
-      "the KV cache is not fp8 (--kv-cache-dtype ", options.kv_cache_dtype,
-      " resolves to '", p.kv_cache_dtype, "' for a ", p.method,
-      " checkpoint): vLLM ignores every scale; run it with "
-      "--kv-cache-dtype fp8 (",
-      kAttentionInit, ", ", kDtypeResolver, ")"));
+  p.silent.push_back(
+      absl::StrCat("the KV cache is not quantized (--kv-cache-dtype ",
+                   options.kv_cache_dtype, " resolves to '", p.kv_cache_dtype,
+                   "' for a ", p.method,
+                   " checkpoint): vLLM ignores every scale; run it with "
+                   "--kv-cache-dtype fp8 (or nvfp4) (",
+                   kAttentionInit, ", ", kDtypeResolver, ")"));
 }
 
 // A layer without a KV-cache quantization method: scale 1.0 for all three
@@ -757,7 +853,9 @@ void PredictNoMethodLayer(Warned& warned, VllmPrediction& p,
   warned.no_method = true;
   p.silent.push_back(absl::StrCat(
       "no KV-cache quantization method for the attention layers: vLLM "
-      "runs the fp8 cache with scale 1.0 everywhere "
+      "runs the ",
+      p.kv_cache_dtype,
+      " cache with scale 1.0 everywhere "
       "(model_executor/layers/attention/attention.py "
       "set_default_quant_scales)"));
 }
@@ -793,9 +891,17 @@ VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
   p.per_head = facts.strategy == "attn_head";
   p.kv_cache_dtype = options.kv_cache_dtype == "auto" ? facts.cache_from_config
                                                       : options.kv_cache_dtype;
-  const bool fp8_cache = absl::StartsWith(p.kv_cache_dtype, "fp8");
+  const bool nvfp4_cache = IsNvfp4Cache(p.kv_cache_dtype);
+  // kv_cache.py BaseKVCacheMethod.process_weights_after_loading uses the
+  // scales for every quantized cache (is_quantized_kv_cache).
+  const bool quantized_cache =
+      absl::StartsWith(p.kv_cache_dtype, "fp8") || nvfp4_cache;
 
-  PredictBackends(rocm, p);
+  if (nvfp4_cache) {
+    PredictNvfp4Backends(options, g, p);
+  } else {
+    PredictBackends(rocm, p);
+  }
   const std::map<std::pair<uint32_t, int>, Loaded> loaded =
       MapScaleTensors(tensors, g, facts, p);
   Warned warned;
@@ -810,7 +916,7 @@ VllmPrediction PredictVllmLoad(const Json& config, const ModelGeometry& g,
       }
     }
     const std::string where = absl::StrCat("layer ", layer, " ");
-    if (!fp8_cache) {
+    if (!quantized_cache) {
       PredictUnusedCacheLayer(!loaded.empty(), options, warned, p, out);
     } else if (!facts.kv_method) {
       PredictNoMethodLayer(warned, p, out);

@@ -43,7 +43,9 @@ absl::StatusOr<VllmPlatform> ParseVllmPlatform(absl::string_view name);
 absl::string_view VllmPlatformName(VllmPlatform platform);
 
 struct VllmLoadOptions {
-  // vLLM's --kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2, bfloat16, ...
+  // vLLM's --kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2, nvfp4,
+  // nvfp4_4over6, bfloat16, ... (nvfp4: the scales are each layer's global
+  // scale, 1 / k_scale; the backends are FlashInfer's, by GPU family)
   std::string kv_cache_dtype = "auto";
   VllmPlatform platform = VllmPlatform::kCuda;
 };
@@ -70,9 +72,10 @@ struct VllmPrediction {
   std::string method;  // compressed-tensors | modelopt | quark | none
   // False for a quant_method kvcal does not model: nothing is predicted.
   bool modelled = true;
-  std::string kv_cache_dtype;  // what the cache really is: "fp8", "auto", ...
+  // What the cache really is: "fp8", "fp8_e4m3", "nvfp4", "auto", ...
+  std::string kv_cache_dtype;
   bool per_head = false;       // compressed-tensors strategy attn_head
-  // Backends that start with these scales.
+  // Backends that start with these scales (and, for NVFP4, on which GPUs).
   std::string backends;
   // vLLM raises at start-up; each entry says why and where.
   std::vector<std::string> refusals;

@@ -101,6 +101,12 @@ void PrintInspect(const InspectReport& report, absl::string_view command) {
 absl::StatusOr<CommandResult> RunPatch(const Args& a) {
   KVCAL_ASSIGN_OR_RETURN(PatchTarget target, ParsePatchTarget(a.target));
   PatchOptions options = MakePatchOptions(a, target, a.scales);
+  // Args::kv_cache_dtype is shared with `kvcal inspect`, whose default is
+  // "auto"; patch's default is fp8.
+  if (a.kv_cache_dtype != "auto") {
+    KVCAL_ASSIGN_OR_RETURN(options.kv_cache,
+                           ParsePatchKvCache(a.kv_cache_dtype));
+  }
   KVCAL_ASSIGN_OR_RETURN(PatchReport report, PatchWithProgress(options));
   if (!a.json) std::cout << PatchText(report);
   return CommandResult{PatchJson(report)};
@@ -126,6 +132,12 @@ CLI::App* AddPatchCommand(CLI::App& app, Args& a) {
   sub->add_option("--target", a.target, "compressed-tensors|modelopt|quark")
       ->check(Named(ParsePatchTarget, kPatchTargets))
       ->capture_default_str();
+  sub->add_option("--kv-cache-dtype", a.kv_cache_dtype,
+                  "the KV cache the checkpoint declares, which vLLM runs "
+                  "with --kv-cache-dtype auto: fp8, or nvfp4 (--target "
+                  "modelopt, per-tensor scales)")
+      ->check(Named(ParsePatchKvCache, "fp8, nvfp4"))
+      ->default_str("fp8");
   AddLockTimeout(sub, a);
   AddJsonFlag(sub, a);
   return sub;

@@ -14,8 +14,10 @@
 #include <vector>
 
 #include "client/checkpoint/demo_model.h"
+#include "client/checkpoint/scales_file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/run_process.h"
 #include "tests/service/worker_process.h"
 #include "tests/test_certs.h"
@@ -326,6 +328,67 @@ TEST_F(CliTest, InspectFindingsGoToStdoutAndErrorsToStderr) {
   EXPECT_THAT(r.out, Not(HasSubstr("FAILED")));
   EXPECT_THAT(r.err, HasSubstr("kvcal inspect: error: no q/k/v scales found"));
   EXPECT_THAT(r.err, HasSubstr("kvcal inspect: FAILED\n"));
+}
+
+TEST_F(CliTest, PatchForAnNvfp4CacheAndInspectWhatVllmDoesWithIt) {
+  // A ModelOpt FP8 model FlashInfer can serve (head size 128) and per-tensor
+  // scales.
+  const std::string model = Path("model");
+  ASSERT_TRUE(
+      WriteDemoCheckpoint(model, DemoModelOptions{.num_layers = 2,
+                                                  .num_attention_heads = 2,
+                                                  .num_key_value_heads = 1,
+                                                  .head_dim = 128,
+                                                  .intermediate_size = 16,
+                                                  .vocab_size = 32})
+          .ok());
+  nlohmann::ordered_json config;
+  std::ifstream(model + "/config.json") >> config;
+  config["quantization_config"] = {{"quant_method", "modelopt"},
+                                   {"quant_algo", "FP8"}};
+  std::ofstream(model + "/config.json") << config.dump(2);
+  CalibratedScales scales;
+  scales.metadata["format"] = "float8_e4m3fn";
+  for (uint32_t l = 0; l < 2; ++l)
+    scales.layers[l] = {{{0.5f}, {0.25f}, {0.125f}}};
+  ASSERT_TRUE(WriteScalesFile(Path("s.safetensors"), scales).ok());
+
+  // The checkpoint cannot declare 4over6: a usage error naming the flag.
+  ProcessResult r =
+      Kvcal({"patch", "--checkpoint", model, "--scales", Path("s.safetensors"),
+             "--target", "modelopt", "--kv-cache-dtype", "nvfp4_4over6"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--kv-cache-dtype"));
+  // compressed-tensors cannot declare NVFP4: vLLM's rule, named.
+  r = Kvcal({"patch", "--checkpoint", model, "--scales", Path("s.safetensors"),
+             "--kv-cache-dtype", "nvfp4"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("validate_kv_cache_scheme"));
+
+  r = Kvcal({"patch", "--checkpoint", model, "--scales", Path("s.safetensors"),
+             "--target", "modelopt", "--kv-cache-dtype", "nvfp4"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("warning: nvfp4 cache: each block of 16"));
+
+  // --kv-cache-dtype auto: the checkpoint's nvfp4 cache, k/v as global
+  // scales, served by FlashInfer.
+  r = Kvcal({"inspect", model});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("--kv-cache-dtype auto): modelopt, KV cache "
+                               "nvfp4; starts on FLASHINFER only"));
+  // The table: q, k, v as written (columns 23 wide, two apart).
+  EXPECT_THAT(r.out, HasSubstr("    1  0.5" + std::string(22, ' ') + "0.25" +
+                               std::string(21, ' ') + "0.125"));
+  EXPECT_THAT(r.out, HasSubstr("\nOK\n"));
+  r = Kvcal({"inspect", "--kv-cache-dtype", "nvfp4_4over6", model});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("KV cache nvfp4_4over6; starts on FLASHINFER "
+                               "trtllm-gen only"));
+  r = Kvcal(
+      {"inspect", "--kv-cache-dtype", "nvfp4", "--platform", "rocm", model});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("will not start: --kv-cache-dtype nvfp4 on "
+                               "ROCm"));
 }
 
 TEST_F(CliTest, VersionSaysVersionCommitAndBackends) {

@@ -805,5 +805,291 @@ TEST(VllmRulesTest, UnknownMethodIsNotGuessed) {
   EXPECT_FALSE(p.clean());
 }
 
+// ---- NVFP4 KV caches (vLLM 0.34: --kv-cache-dtype nvfp4, nvfp4_4over6). ----
+
+// A model FlashInfer, the only backend with an NVFP4 cache, can serve: head
+// size 128 (v1/attention/backends/flashinfer.py get_supported_head_sizes:
+// 64, 128, 256, 512).
+DemoModelOptions Nvfp4Model() {
+  DemoModelOptions o;
+  o.num_layers = 2;
+  o.num_attention_heads = 2;
+  o.num_key_value_heads = 1;
+  o.head_dim = 128;
+  o.intermediate_size = 16;
+  o.vocab_size = 32;
+  o.sharded = true;
+  return o;
+}
+
+CalibratedScales Nvfp4Scales(Granularity granularity) {
+  const DemoModelOptions m = Nvfp4Model();
+  CalibratedScales s;
+  s.granularity = granularity;
+  s.observer = "static_minmax";
+  s.metadata["format"] = "float8_e4m3fn";
+  for (uint32_t l = 0; l < m.num_layers; ++l) {
+    for (int r = 0; r < 3; ++r) {
+      const uint32_t n = granularity == Granularity::kPerTensor ? 1
+                         : r == 0 ? m.num_attention_heads
+                                  : m.num_key_value_heads;
+      for (uint32_t h = 0; h < n; ++h) {
+        s.layers[l][r].push_back(0.02f * (1 + l) + 0.005f * r + 0.001f * h);
+      }
+    }
+  }
+  return s;
+}
+
+class Nvfp4PatchTest : public ::testing::Test {
+ protected:
+  // A ModelOpt (or other) model with `quantization_config`, and scales.
+  void Write(const Json& quantization_config,
+             Granularity granularity = Granularity::kPerTensor) {
+    ASSERT_TRUE(WriteDemoCheckpoint(dir_ / "model", Nvfp4Model()).ok());
+    Json config = Json::parse(ReadFile(dir_ / "model/config.json"));
+    if (!quantization_config.is_null()) {
+      config["quantization_config"] = quantization_config;
+    }
+    WriteFile(dir_ / "model/config.json", config.dump(2));
+    scales_ = Nvfp4Scales(granularity);
+    ASSERT_TRUE(WriteScalesFile(dir_ / "s.safetensors", scales_).ok());
+  }
+  absl::StatusOr<PatchReport> Patch(PatchTarget target) {
+    return PatchCheckpoint({.checkpoint_dir = dir_ / "model",
+                            .scales_path = dir_ / "s.safetensors",
+                            .out_dir = "",
+                            .target = target,
+                            .on_step = {},
+                            .on_progress = {},
+                            .lock_timeout = {},
+                            .on_lock_wait = {},
+                            .lock = nullptr,
+                            .kv_cache = PatchKvCache::kNvfp4});
+  }
+  Json QuantizationConfig() const {
+    return Json::parse(
+        ReadFile(dir_ / "model/config.json"))["quantization_config"];
+  }
+  // vLLM's prediction for the patched checkpoint: an nvfp4 cache with
+  // --kv-cache-dtype auto, every scale used as written.
+  void ExpectNvfp4WithEveryScale() {
+    auto inspect = InspectCheckpoint(dir_ / "model");
+    ASSERT_TRUE(inspect.ok()) << inspect.status();
+    EXPECT_TRUE(inspect->ok()) << inspect->ToText();
+    EXPECT_EQ(inspect->vllm.kv_cache_dtype, "nvfp4");
+    EXPECT_THAT(inspect->vllm.backends, HasSubstr("FLASHINFER"));
+    const auto tensors = Tensors(dir_ / "model");
+    for (uint32_t l = 0; l < 2; ++l) {
+      for (int r = 0; r < 3; ++r) {
+        // The ModelOpt names (base_config.py get_cache_scale_mapper).
+        const std::string name = ExpectedName(PatchTarget::kModelOpt, l, r);
+        ASSERT_TRUE(tensors.count(name)) << name;
+        EXPECT_EQ(tensors.at(name).second, scales_.layers[l][r]) << name;
+        const VllmRoleOutcome& o = inspect->vllm.layers.at(l)[r];
+        EXPECT_EQ(o.fate, "used") << name;
+        EXPECT_EQ(o.effective, scales_.layers[l][r]) << name;
+      }
+    }
+  }
+
+  TempDir dir_;
+  CalibratedScales scales_;
+};
+
+TEST_F(Nvfp4PatchTest, ModelOptFlatWritesANum4FloatKvCacheScheme) {
+  // utils/torch_utils.py get_kv_cache_quant_algo_string: a kv_cache_scheme
+  // dict with num_bits 4 and type float is an "nvfp4" cache.
+  Write({{"quant_method", "modelopt"}, {"quant_algo", "FP8"}});
+  auto report = Patch(PatchTarget::kModelOpt);
+  ASSERT_TRUE(report.ok()) << report.status();
+  const Json q = QuantizationConfig();
+  EXPECT_EQ(q["kv_cache_scheme"]["num_bits"], 4);
+  EXPECT_EQ(q["kv_cache_scheme"]["type"], "float");
+  EXPECT_EQ(q["quant_algo"], "FP8");
+  ExpectNvfp4WithEveryScale();
+  // The patch says on which GPUs vLLM serves it.
+  EXPECT_THAT(report->warnings, Contains(HasSubstr("1 / k_scale")));
+}
+
+TEST_F(Nvfp4PatchTest, ModelOptNestedSetsKvCacheQuantAlgoNvfp4) {
+  // modelopt.py from_config reads quantization.kv_cache_quant_algo;
+  // MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP: "nvfp4" -> "nvfp4".
+  Write({{"quant_method", "modelopt"},
+         {"quantization",
+          {{"quant_algo", "FP8"}, {"exclude_modules", {"lm_head"}}}}});
+  ASSERT_TRUE(Patch(PatchTarget::kModelOpt).ok());
+  const Json q = QuantizationConfig();
+  EXPECT_EQ(q["quantization"]["kv_cache_quant_algo"], "NVFP4");
+  EXPECT_FALSE(q.contains("kv_cache_scheme"));
+  ExpectNvfp4WithEveryScale();
+}
+
+TEST_F(Nvfp4PatchTest, RefusedWhereVllmCannotRunItAndNothingChanges) {
+  struct Refusal {
+    Json config;
+    PatchTarget target;
+    Granularity granularity;
+    absl::StatusCode code;
+    std::string why;
+  };
+  const Json modelopt = {{"quant_method", "modelopt"}, {"quant_algo", "FP8"}};
+  const std::vector<Refusal> cases = {
+      // compressed_tensors.py validate_kv_cache_scheme: num_bits 8 only.
+      {nullptr, PatchTarget::kCompressedTensors, Granularity::kPerTensor,
+       absl::StatusCode::kInvalidArgument, "validate_kv_cache_scheme"},
+      // quark.py QuarkKVCacheMethod.validate_kv_cache_config: fp8_e4m3 only.
+      {ExistingQuantizationConfig(PatchTarget::kQuark), PatchTarget::kQuark,
+       Granularity::kPerTensor, absl::StatusCode::kInvalidArgument,
+       "validate_kv_cache_config"},
+      // One global scale per layer: per-head scales are refused.
+      {modelopt, PatchTarget::kModelOpt, Granularity::kPerHead,
+       absl::StatusCode::kInvalidArgument, "per-tensor scales only"},
+      // Flat MIXED_PRECISION: no KV-cache method from a num_bits 4 scheme.
+      {{{"quant_method", "modelopt"}, {"quant_algo", "MIXED_PRECISION"}},
+       PatchTarget::kModelOpt,
+       Granularity::kPerTensor,
+       absl::StatusCode::kFailedPrecondition,
+       "MIXED_PRECISION"},
+  };
+  for (const Refusal& c : cases) {
+    SCOPED_TRACE(c.why);
+    std::filesystem::remove_all(dir_ / "model");
+    Write(c.config, c.granularity);
+    const auto before = Snapshot(dir_ / "model");
+    EXPECT_THAT(Patch(c.target).status(), StatusIs(c.code, HasSubstr(c.why)));
+    EXPECT_TRUE(Snapshot(dir_ / "model") == before) << "something changed";
+  }
+}
+
+TEST(Nvfp4KvCacheDtypeTest, ParsesFp8AndNvfp4Only) {
+  EXPECT_EQ(*ParsePatchKvCache("fp8"), PatchKvCache::kFp8);
+  EXPECT_EQ(*ParsePatchKvCache("nvfp4"), PatchKvCache::kNvfp4);
+  // A checkpoint cannot declare 4over6 (MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP).
+  EXPECT_THAT(ParsePatchKvCache("nvfp4_4over6").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--kv-cache-dtype nvfp4_4over6")));
+  EXPECT_FALSE(ParsePatchKvCache("int4").ok());
+}
+
+Json ModelOptNvfp4Flat(const std::string& algo = "FP8",
+                       const std::string& type = "float") {
+  return {{"quantization_config",
+           {{"quant_method", "modelopt"},
+            {"quant_algo", algo},
+            {"kv_cache_scheme", {{"num_bits", 4}, {"type", type}}}}}};
+}
+
+VllmLoadOptions KvCacheDtype(const std::string& dtype,
+                             VllmPlatform platform = VllmPlatform::kCuda) {
+  VllmLoadOptions o;
+  o.kv_cache_dtype = dtype;
+  o.platform = platform;
+  return o;
+}
+
+TEST(VllmRulesNvfp4Test, CacheDtypeFromModelOptConfigs) {
+  const ModelGeometry g{kLayers, kHeads, kKvHeads, 128};
+  // get_kv_cache_quant_algo_string: {num_bits 4, type float} -> nvfp4.
+  VllmPrediction p = PredictVllmLoad(ModelOptNvfp4Flat(), g,
+                                     BaseTensors(0.3f, 0.2f, 0.1f), {});
+  EXPECT_EQ(p.kv_cache_dtype, "nvfp4");
+  EXPECT_TRUE(p.clean()) << All(p);
+  // ... a num_bits 4 int scheme is unknown: "auto", scales ignored.
+  p = PredictVllmLoad(ModelOptNvfp4Flat("FP8", "int"), g,
+                      BaseTensors(0.3f, 0.2f, 0.1f), {});
+  EXPECT_EQ(p.kv_cache_dtype, "auto");
+  EXPECT_THAT(p.silent, Contains(HasSubstr("ignores every scale")));
+  // Nested: quantization.kv_cache_quant_algo "NVFP4".
+  const Json nested = {
+      {"quantization_config",
+       {{"quant_method", "modelopt"},
+        {"quantization",
+         {{"quant_algo", "FP8"}, {"kv_cache_quant_algo", "NVFP4"}}}}}};
+  p = PredictVllmLoad(nested, g, BaseTensors(0.3f, 0.2f, 0.1f), {});
+  EXPECT_EQ(p.kv_cache_dtype, "nvfp4");
+  EXPECT_TRUE(p.clean()) << All(p);
+  // Every global scale as written (BaseKVCacheMethod: one scalar each).
+  EXPECT_EQ(p.layers.at(2)[1].effective, std::vector<float>{0.2f});
+  EXPECT_EQ(p.layers.at(2)[2].effective, std::vector<float>{0.1f});
+  // An explicit flag wins over the checkpoint (resolve_kv_cache_dtype_string).
+  p = PredictVllmLoad(nested, g, BaseTensors(0.3f, 0.2f, 0.1f),
+                      KvCacheDtype("fp8"));
+  EXPECT_EQ(p.kv_cache_dtype, "fp8");
+  // MIXED_PRECISION flat with a num_bits 4 scheme: the cache is nvfp4 but
+  // from_config makes no KV algorithm, so no KV-cache method: 1.0.
+  p = PredictVllmLoad(ModelOptNvfp4Flat("MIXED_PRECISION"), g,
+                      BaseTensors(0.3f, 0.2f, 0.1f), {});
+  EXPECT_EQ(p.kv_cache_dtype, "nvfp4");
+  EXPECT_EQ(p.layers.at(0)[1].effective, std::vector<float>{1.0f});
+  EXPECT_THAT(p.silent,
+              Contains(HasSubstr("runs the nvfp4 cache with scale 1.0")));
+}
+
+TEST(VllmRulesNvfp4Test, BackendsByGpuFamilyAndHeadSize) {
+  const ModelGeometry g128{kLayers, kHeads, kKvHeads, 128};
+  const ModelGeometry g64{kLayers, kHeads, kKvHeads, 64};
+  const ModelGeometry g96{kLayers, kHeads, kKvHeads, 96};
+  const auto t = BaseTensors(0.3f, 0.2f, 0.1f);
+  // flashinfer.py: trtllm-gen on 10.x, FA2 on 8.x/9.x/12.x.
+  VllmPrediction p = PredictVllmLoad(ModelOptNvfp4Flat(), g128, t, {});
+  EXPECT_THAT(p.backends, HasSubstr("FLASHINFER only"));
+  EXPECT_THAT(p.backends, HasSubstr("10.x"));
+  EXPECT_THAT(p.backends, HasSubstr("FA2 path on 8.x, 9.x and 12.x"));
+  EXPECT_THAT(p.notes, Contains(HasSubstr("q_scale is not used")));
+  // Head size 64: supports_combination refuses the FA2 path.
+  p = PredictVllmLoad(ModelOptNvfp4Flat(), g64, t, {});
+  EXPECT_TRUE(p.starts());
+  EXPECT_THAT(p.backends, HasSubstr("trtllm-gen only"));
+  EXPECT_THAT(p.notes, Contains(HasSubstr("head_size 64")));
+  // nvfp4_4over6: supports_kv_cache_dtype refuses it on the FA2 path.
+  p = PredictVllmLoad(ModelOptNvfp4Flat(), g128, t,
+                      KvCacheDtype("nvfp4_4over6"));
+  EXPECT_EQ(p.kv_cache_dtype, "nvfp4_4over6");
+  EXPECT_TRUE(p.clean()) << All(p);
+  EXPECT_THAT(p.backends, HasSubstr("trtllm-gen only"));
+  EXPECT_THAT(p.notes, Contains(HasSubstr("4over6 scale search")));
+  // A head size FlashInfer does not have: no backend at all.
+  p = PredictVllmLoad(ModelOptNvfp4Flat(), g96, t, {});
+  EXPECT_THAT(p.refusals, Contains(HasSubstr("head size 96")));
+  // ROCm: no backend lists nvfp4.
+  p = PredictVllmLoad(ModelOptNvfp4Flat(), g128, t,
+                      KvCacheDtype("nvfp4", VllmPlatform::kRocm));
+  EXPECT_THAT(p.refusals, Contains(HasSubstr("on ROCm")));
+}
+
+TEST(VllmRulesNvfp4Test, ScalesQScaleAndPerHead) {
+  const ModelGeometry g{kLayers, kHeads, kKvHeads, 128};
+  // No q_scale: BaseKVCacheMethod sets 1.0 in the end (its log says k_scale);
+  // that is the FP8 query of trtllm-gen.
+  VllmPrediction p = PredictVllmLoad(ModelOptNvfp4Flat(), g,
+                                     BaseTensors(0.3f, 0.2f, 0.1f, false), {});
+  EXPECT_EQ(p.layers.at(0)[0].fate, "missing: 1.0");
+  EXPECT_EQ(p.layers.at(0)[0].effective, std::vector<float>{1.0f});
+  EXPECT_THAT(p.silent, Contains(HasSubstr("FP8 query")));
+  // No k/v scales: global scale 1.0.
+  p = PredictVllmLoad(ModelOptNvfp4Flat(), g,
+                      BaseTensors(0.3f, 0.2f, 0.1f, true, false, false), {});
+  EXPECT_EQ(p.layers.at(1)[1].fate, "missing: 1.0");
+  EXPECT_EQ(p.layers.at(1)[1].effective, std::vector<float>{1.0f});
+  // compressed-tensors per tensor with --kv-cache-dtype nvfp4: its scales
+  // become the global scales (CompressedTensorsKVCacheMethod).
+  const ModelGeometry ct_g{kLayers, kHeads, kKvHeads, 128};
+  p = PredictVllmLoad(CtConfig("tensor"), ct_g, CtTensors({0.4f}, {0.25f}),
+                      KvCacheDtype("nvfp4"));
+  EXPECT_EQ(p.kv_cache_dtype, "nvfp4");
+  EXPECT_TRUE(p.clean()) << All(p);
+  EXPECT_EQ(p.layers.at(0)[1].effective, std::vector<float>{0.25f});
+  // ... per head: FlashInfer has no per-head scales, FlashAttention no
+  // NVFP4: "No valid attention backend found".
+  p = PredictVllmLoad(CtConfig("attn_head"), ct_g,
+                      CtTensors(std::vector<float>(kHeads, 0.4f),
+                                std::vector<float>(kKvHeads, 0.25f)),
+                      KvCacheDtype("nvfp4"));
+  EXPECT_FALSE(p.starts());
+  EXPECT_THAT(p.refusals, Contains(HasSubstr("per-head scales")));
+  EXPECT_THAT(p.refusals, Contains(HasSubstr("No valid attention backend")));
+}
+
 }  // namespace
 }  // namespace kvcal

@@ -23,6 +23,11 @@ are built with TRITON_ATTN given explicitly; which backend accepts per-head
 scales on a GPU (FlashAttention 3 only) is `kvcal inspect`'s business. The
 model around the attention layers holds only them (Llama's names, vLLM's
 load_weights methods): the tests feed it the scale tensors kvcal added.
+The same path runs NVFP4 caches (`kvcal patch --kv-cache-dtype nvfp4`):
+the cache dtype from the ModelOpt config, the global scales as loaded, and
+the validators and loaders that make kvcal refuse the other targets, per-head
+scales and a flat MIXED_PRECISION config; which GPUs serve NVFP4 (FlashInfer
+only) is again backend selection, `kvcal inspect`'s business.
 """
 import json
 import os
@@ -244,6 +249,14 @@ def _vllm_validate_kv_cache_scheme(scheme):
     return "accepted"
 
 
+def _vllm_validate_quark_kv_cache_config(config):
+    # quark/quark.py QuarkKVCacheMethod.validate_kv_cache_config
+    from vllm.model_executor.layers.quantization.quark.quark import QuarkKVCacheMethod
+
+    QuarkKVCacheMethod.validate_kv_cache_config(config)
+    return "accepted"
+
+
 _CHILD = r"""
 import json, os, sys, traceback
 proto = os.fdopen(os.dup(1), "w")
@@ -405,10 +418,10 @@ def make_scales(granularity, heads=HEADS, kv_heads=KV_HEADS, seed=0):
     return scales
 
 
-def write_checkpoint(path, quantization_config=None):
+def write_checkpoint(path, quantization_config=None, head_dim=16):
     from tiny_llama import tiny_llama
 
-    tiny_llama(num_kv_heads=KV_HEADS, heads=HEADS, layers=LAYERS).save_pretrained(path)
+    tiny_llama(num_kv_heads=KV_HEADS, heads=HEADS, layers=LAYERS, head_dim=head_dim).save_pretrained(path)
     if quantization_config is not None:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
@@ -442,7 +455,8 @@ def read_tensors(directory, names):
     return found
 
 
-def kvcal_patch(kvcal_cli, src, scales, granularity, out, target=None, fmt="float8_e4m3fn"):
+def kvcal_patch(kvcal_cli, src, scales, granularity, out, target=None, fmt="float8_e4m3fn",
+                kv_cache_dtype=None):
     import kvcal
 
     scales_path = out + ".scales.safetensors"
@@ -450,14 +464,17 @@ def kvcal_patch(kvcal_cli, src, scales, granularity, out, target=None, fmt="floa
     cmd = [kvcal_cli, "patch", "--checkpoint", src, "--scales", scales_path, "--out", out]
     if target:
         cmd += ["--target", target]
+    if kv_cache_dtype:
+        cmd += ["--kv-cache-dtype", kv_cache_dtype]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
-def patched(tmp_path, kvcal_cli, granularity, quantization_config=None, target=None):
-    src = write_checkpoint(str(tmp_path / "model"), quantization_config)
+def patched(tmp_path, kvcal_cli, granularity, quantization_config=None, target=None, kv_cache_dtype=None,
+            head_dim=16):
+    src = write_checkpoint(str(tmp_path / "model"), quantization_config, head_dim)
     scales = make_scales(granularity)
     out = str(tmp_path / "patched")
-    result = kvcal_patch(kvcal_cli, src, scales, granularity, out, target)
+    result = kvcal_patch(kvcal_cli, src, scales, granularity, out, target, kv_cache_dtype=kv_cache_dtype)
     assert result.returncode == 0, result.stderr
     added = sorted(tensor_names(out) - tensor_names(src))
     return out, scales, added
@@ -735,3 +752,166 @@ def test_q_reduced_per_kv_group_loads_wrong_in_vllm_and_kvcal_refuses_it(vllm, k
     assert result.returncode != 0, result.stdout
     assert "per KV group" in result.stderr or "per-kv-group" in result.stderr, result.stderr
     assert not os.path.exists(str(tmp_path / "reduced"))
+
+
+# ---------------------------------------------------------------------------
+# NVFP4 KV caches (`kvcal patch --kv-cache-dtype nvfp4`)
+# ---------------------------------------------------------------------------
+
+# FlashInfer, the only vLLM 0.34 backend with an NVFP4 cache, serves head
+# sizes 64, 128, 256 and 512 (kvcal refuses to patch others).
+NVFP4_HEAD_DIM = 64
+
+
+def nvfp4_patched(tmp_path, kvcal_cli, form):
+    config = {"flat": MODELOPT_FLAT, "nested": MODELOPT_NESTED}[form]
+    return patched(tmp_path, kvcal_cli, "tensor", json.loads(json.dumps(config)), "modelopt",
+                   kv_cache_dtype="nvfp4", head_dim=NVFP4_HEAD_DIM)
+
+
+@pytest.mark.parametrize("flag", ["auto", "nvfp4"])
+@pytest.mark.parametrize("form", ["flat", "nested"])
+def test_modelopt_nvfp4(vllm, kvcal_cli, tmp_path, form, flag):
+    """What `kvcal patch --target modelopt --kv-cache-dtype nvfp4` writes
+    makes vLLM 0.34 run an NVFP4 cache, with `--kv-cache-dtype auto` (the
+    checkpoint decides) as with `--kv-cache-dtype nvfp4`, and load every
+    k_scale/v_scale (the NVFP4 global scales, 1 / k_scale) and q_scale into
+    the attention layers exactly as written."""
+    out, scales, added = nvfp4_patched(tmp_path, kvcal_cli, form)
+    with open(os.path.join(out, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    if form == "flat":
+        assert (qc["kv_cache_scheme"]["num_bits"], qc["kv_cache_scheme"]["type"]) == (4, "float")
+    else:
+        assert qc["quantization"]["kv_cache_quant_algo"] == "NVFP4"
+    loaded = vllm.call("_vllm_load", out, added, flag)
+
+    assert loaded["quantization"] == "modelopt"
+    assert loaded["quant_config"] == "ModelOptFp8Config"
+    # modelopt.py ModelOptQuantConfigBase.from_config: the nested form reads
+    # kv_cache_quant_algo; the flat form makes an algorithm of a num_bits 8
+    # scheme only. Neither matters to a non-mixed config, whose
+    # get_quant_method gives every Attention its KV-cache method.
+    assert loaded["kv_cache_quant_method"] == ("NVFP4" if form == "nested" else None)
+    # utils/torch_utils.py get_kv_cache_quant_algo_string: {num_bits 4,
+    # type float} / "NVFP4" -> "nvfp4"; resolve_kv_cache_dtype_string makes
+    # `auto` that cache.
+    assert loaded["kv_cache_quant_algo"] == "nvfp4"
+    assert loaded["cache_dtype"] == "nvfp4"
+    assert_mapped_to_attention(loaded, added)
+    want = per_role(scales)
+    for layer, got in loaded["layers"].items():
+        layer = int(layer)
+        assert got["kv_cache_dtype"] == "nvfp4"
+        assert got["quant_method"] == "ModelOptKVCacheMethod"
+        for role in "qkv":
+            # quantization/kv_cache.py BaseKVCacheMethod.process_weights_after_loading
+            # (is_quantized_kv_cache("nvfp4")): the scalars the NVFP4 store
+            # kernels read (FlashInferImpl passes layer._k_scale/_v_scale).
+            assert got[f"_{role}_scale_float"] == float(want[(layer, role)][0]), (layer, role)
+            assert got[f"_{role}_scale"] == want[(layer, role)].tolist(), (layer, role)
+    assert_no_scale_warnings(loaded)
+
+
+def test_nvfp4_per_head_is_refused_by_vllm_and_kvcal(vllm, kvcal_cli, tmp_path):
+    out, scales, added = nvfp4_patched(tmp_path, kvcal_cli, "flat")
+    # One k_scale per KV head, as a per-head calibration would give.
+    from safetensors.numpy import load_file, save_file
+
+    for file in os.listdir(out):
+        if not file.endswith(".safetensors"):
+            continue
+        path = os.path.join(out, file)
+        tensors = load_file(path)
+        changed = False
+        for name in list(tensors):
+            if name.endswith("k_proj.k_scale"):
+                tensors[name] = np.full((KV_HEADS,), tensors[name].reshape(-1)[0], np.float32)
+                changed = True
+        if changed:
+            save_file(tensors, path, metadata={"format": "pt"})
+    # quantization/kv_cache.py KVCacheScaleParameter.weight_loader.
+    with pytest.raises(VllmError) as refused:
+        vllm.call("_vllm_load", out, added)
+    assert refused.value.type == "ValueError"
+    assert "KV-cache scale expects a scalar weight" in refused.value.message
+    # kvcal refuses per-head scales for an NVFP4 cache, writing nothing.
+    src = write_checkpoint(str(tmp_path / "model-head"), json.loads(json.dumps(MODELOPT_FLAT)),
+                           NVFP4_HEAD_DIM)
+    result = kvcal_patch(kvcal_cli, src, make_scales("head"), "head", str(tmp_path / "head"), "modelopt",
+                         kv_cache_dtype="nvfp4")
+    assert result.returncode != 0, result.stdout
+    assert "NVFP4 KV cache takes per-tensor scales only" in result.stderr, result.stderr
+    assert not os.path.exists(str(tmp_path / "head"))
+
+
+def test_nvfp4_is_refused_for_compressed_tensors_and_quark(vllm, kvcal_cli, tmp_path):
+    nvfp4 = {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+    # compressed_tensors.py CompressedTensorsKVCacheMethod.validate_kv_cache_scheme
+    with pytest.raises(VllmError) as refused:
+        vllm.call("_vllm_validate_kv_cache_scheme", nvfp4)
+    assert refused.value.type == "NotImplementedError"
+    assert "num_bits=4" in refused.value.message
+    # quark/quark.py QuarkKVCacheMethod.validate_kv_cache_config
+    with pytest.raises(VllmError) as refused:
+        vllm.call("_vllm_validate_quark_kv_cache_config", dict(_QUARK_FP8, dtype="fp4"))
+    assert refused.value.type == "NotImplementedError"
+    assert "dtype=fp8_e4m3" in refused.value.message
+    for target, config, rule in (
+            ("compressed-tensors", None, "CompressedTensorsKVCacheMethod.validate_kv_cache_scheme"),
+            ("quark", QUARK, "QuarkKVCacheMethod.validate_kv_cache_config")):
+        src = write_checkpoint(str(tmp_path / f"model-{target}"), json.loads(json.dumps(config)),
+                               NVFP4_HEAD_DIM)
+        out = str(tmp_path / f"out-{target}")
+        result = kvcal_patch(kvcal_cli, src, make_scales("tensor"), "tensor", out, target,
+                             kv_cache_dtype="nvfp4")
+        assert result.returncode != 0, result.stdout
+        assert rule in result.stderr, result.stderr
+        assert not os.path.exists(out)
+
+
+def test_compressed_tensors_fp8_checkpoint_runs_an_nvfp4_cache_when_asked(vllm, kvcal_cli, tmp_path):
+    """What kvcal's compressed-tensors refusal suggests: an FP8 per-tensor
+    checkpoint started with `--kv-cache-dtype nvfp4` runs an NVFP4 cache
+    with the same scales as its global scales."""
+    out, scales, added = patched(tmp_path, kvcal_cli, "tensor", head_dim=NVFP4_HEAD_DIM)
+    loaded = vllm.call("_vllm_load", out, added, "nvfp4")
+    assert loaded["cache_dtype"] == "nvfp4"
+    want = per_role(scales)
+    for layer, got in loaded["layers"].items():
+        layer = int(layer)
+        # attention.py Attention.__init__: a kv_cache_scheme switches only
+        # an "auto" cache to fp8; the flag wins.
+        assert got["kv_cache_dtype"] == "nvfp4"
+        assert got["quant_method"] == "CompressedTensorsKVCacheMethod"
+        for role in "kv":
+            assert got[f"_{role}_scale_float"] == float(want[(layer, role)][0]), (layer, role)
+
+
+def test_modelopt_mixed_precision_flat_drops_nvfp4_scales_so_kvcal_refuses(vllm, kvcal_cli, tmp_path):
+    # An FP8 patch of the flat MIXED_PRECISION config, its scheme then made
+    # NVFP4 (num_bits 4) by hand.
+    out, scales, added = patched(tmp_path, kvcal_cli, "tensor", json.loads(json.dumps(MODELOPT_MIXED)),
+                                 "modelopt", head_dim=NVFP4_HEAD_DIM)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["kv_cache_scheme"]["num_bits"] = 4
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    loaded = vllm.call("_vllm_load", out, added)
+    # The cache is nvfp4 (get_kv_cache_quant_algo_string), but from_config
+    # made no KV algorithm of the scheme, so ModelOptMixedPrecisionConfig.
+    # get_quant_method gives the layers no KV-cache method: every scale 1.0.
+    assert loaded["cache_dtype"] == "nvfp4"
+    assert loaded["kv_cache_quant_method"] is None
+    for got in loaded["layers"].values():
+        assert got["kv_cache_dtype"] == "nvfp4"
+        assert got["_k_scale_float"] == 1.0 and got["_v_scale_float"] == 1.0
+    # kvcal refuses that patch.
+    src = write_checkpoint(str(tmp_path / "model-mixed"), json.loads(json.dumps(MODELOPT_MIXED)),
+                           NVFP4_HEAD_DIM)
+    result = kvcal_patch(kvcal_cli, src, make_scales("tensor"), "tensor", str(tmp_path / "mixed"), "modelopt",
+                         kv_cache_dtype="nvfp4")
+    assert result.returncode != 0, result.stdout
+    assert "MIXED_PRECISION" in result.stderr, result.stderr
+    assert not os.path.exists(str(tmp_path / "mixed"))
