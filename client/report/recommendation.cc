@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -141,32 +142,15 @@ Recommendation RecommendFromEvaluations(
 
 SkipCandidates SkipLayerCandidates(const EvaluationRow& row) {
   SkipCandidates out;
-  const std::vector<double>& e = row.layer_attention;
-  if (e.empty()) return out;
-  std::vector<double> sorted = e;
-  std::sort(sorted.begin(), sorted.end());
-  const size_t n = sorted.size();
-  out.median = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
-  std::vector<int> order(n);
-  for (size_t i = 0; i < n; ++i) order[i] = static_cast<int>(i);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int a, int b) { return e[a] > e[b]; });
-  const size_t most = std::max<size_t>(
-      1, static_cast<size_t>(kSkipMaxShare * static_cast<double>(n)));
-  for (int l : order) {
-    if (out.layers.size() >= most || !(e[l] > kSkipMedianFactor * out.median)) {
-      break;
-    }
-    out.layers.push_back(l);
-  }
-  std::sort(out.layers.begin(), out.layers.end());
+  SkipLayerOutliers found = FindSkipLayerOutliers(row.layer_attention);
+  out.layers = std::move(found.layers);
+  out.median = found.median;
+  out.argument = SkipLayersArgument(out.layers);
   if (!out.layers.empty()) {
-    out.argument = "--kv-cache-dtype-skip-layers";
-    for (int l : out.layers) absl::StrAppend(&out.argument, " ", l);
+    const double n = static_cast<double>(row.layer_attention.size());
     const double b = CacheValueBytes(row.kv_format);
     const double s = static_cast<double>(out.layers.size());
-    out.cache_ratio = ((static_cast<double>(n) - s) * b + s * 2.0) /
-                      (static_cast<double>(n) * b);
+    out.cache_ratio = ((n - s) * b + s * 2.0) / (n * b);
   }
   return out;
 }

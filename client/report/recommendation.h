@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "client/checkpoint/scales_file.h"
+#include "client/checkpoint/skip_layers.h"
 #include "client/report/common.h"
 #include "client/report/estimates.h"
 #include "client/report/evaluation.h"
@@ -55,18 +56,9 @@ double MarginFor(const EvaluationRow& best, bool kv_only, Format format,
 Recommendation RecommendFromEvaluations(
     const std::vector<EvaluationRow>& evaluations, Format format);
 
-// Layers to keep out of the quantized KV cache (vLLM 0.34's
-// --kv-cache-dtype-skip-layers, which keeps a layer's K, V and query in the
-// model's dtype): those whose mean attention error exceeds
-// kSkipMedianFactor x the median layer's, the worst first, at most
-// kSkipMaxShare of the layers (at least one). The same rule as
-// kvcal-calibrate's (python/kvcal/skip_layers.py), which then re-scores
-// the model with them unquantized and advises them only when the held-out
-// loss drops measurably; the report has no model to re-score, so these are
-// candidates to verify.
-constexpr double kSkipMedianFactor = 3.0;
-constexpr double kSkipMaxShare = 0.25;
-
+// Layers to keep out of the quantized KV cache: the outliers of the row's
+// per-layer attention errors by checkpoint/skip_layers.h's rule (candidates:
+// the report has no model to re-score with).
 struct SkipCandidates {
   std::vector<int> layers;  // ascending
   double median = 0.0;      // the median layer's mean attention error

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "client/checkpoint/activation_dump.h"
 #include "client/checkpoint/model_config.h"
+#include "client/checkpoint/skip_layers.h"
 #include "client/rpc/progress.h"
 #include "kernels/scale_math.h"
 #include "proto/names.h"
@@ -270,6 +271,30 @@ Json SharesJson(const v1::QuantizationShares& s) {
 
 std::string ObserverLabel(v1::Observer o) { return CanonicalName(o); }
 
+SkipLayerOutliers SkipOutliers(const v1::Evaluation& e) {
+  std::vector<double> layer_error;
+  for (const v1::LayerEvaluation& l : e.layers()) {
+    layer_error.push_back(l.error());
+  }
+  return FindSkipLayerOutliers(layer_error);
+}
+
+// The skip-layer candidates (checkpoint/skip_layers.h), in one line.
+std::string SkipLayersLine(const v1::Evaluation& e) {
+  const SkipLayerOutliers skip = SkipOutliers(e);
+  if (skip.layers.empty()) {
+    return absl::StrFormat(
+        "skip layers: none: no layer's error exceeds %gx the median layer's "
+        "(%.3f%%)\n",
+        kSkipMedianFactor, 100 * skip.median);
+  }
+  return absl::StrFormat(
+      "skip layers: candidates %s (error above %gx the median layer's, "
+      "%.3f%%); check that the held-out loss drops with them unquantized "
+      "(kvcal-calibrate does) before serving with them\n",
+      SkipLayersArgument(skip.layers), kSkipMedianFactor, 100 * skip.median);
+}
+
 }  // namespace
 
 std::string EvaluationTable(const v1::FinalizeResponse& response) {
@@ -300,6 +325,7 @@ std::string EvaluationTable(const v1::FinalizeResponse& response) {
   absl::StrAppend(
       &out, absl::StrFormat("  all %8.3f%% %9s %8.3f%%\n", 100 * e.error(), "",
                             100 * e.error_ones()));
+  absl::StrAppend(&out, SkipLayersLine(e));
   if (response.candidates_size() > 0) {
     absl::StrAppend(&out, "auto candidates (error over all layers):\n");
     for (const v1::Evaluation& c : response.candidates()) {
@@ -343,7 +369,8 @@ Json EvaluationJson(const v1::Evaluation& e) {
           {"tokens", e.tokens()},
           {"error", e.error()},
           {"error_ones", e.error_ones()},
-          {"layers", std::move(layers)}};
+          {"layers", std::move(layers)},
+          {"skip_layer_candidates", SkipOutliers(e).layers}};
 }
 
 Json FinalizeJson(const v1::FinalizeResponse& response) {

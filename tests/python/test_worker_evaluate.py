@@ -188,3 +188,14 @@ def test_cli_finalize_evaluate_prints_the_table_and_json(session, worker, kvcal_
     assert [row["error"] for row in j["evaluation"]["layers"]] == pytest.approx(
         [row.error for row in want.layers], rel=1e-12)
     assert j["evaluation"]["sequences"] == 4
+    # Skip-layer candidates: kvcal-calibrate's outlier rule on the layers'
+    # errors (python/kvcal/skip_layers.py outliers), in the JSON and a line.
+    from kvcal.skip_layers import argument, outliers
+
+    errors = [row.error for row in want.layers]
+    assert j["evaluation"]["skip_layer_candidates"] == sorted(outliers(errors))
+    line = next(l for l in text.splitlines() if l.startswith("skip layers:"))
+    if outliers(errors):
+        assert argument(outliers(errors)) in line, line
+    else:
+        assert line.startswith("skip layers: none: no layer's error exceeds 3x"), line
