@@ -39,6 +39,7 @@ import tempfile
 import numpy as np
 import pytest
 
+import test_vllm_own_code as own
 from test_vllm_own_code import PINS, QUARK, VLLM_DIR, VLLM_VERSION, VllmProcess
 
 LAYERS_Q_LORA = 8  # DeepSeek-V3 shape: q_lora_rank set (fused_qkv_a_proj)
@@ -99,47 +100,29 @@ def scale_value(layer, role_index):
 # Child side
 # ---------------------------------------------------------------------------
 
-_WARNINGS = []
-_STORE = []
-
-
-def _vllm_shutdown():
-    for path in _STORE:
-        if os.path.exists(path):
-            os.unlink(path)
+# The vLLM warnings and the gloo group's store files, shared with
+# test_vllm_own_code's bootstrap (the same lists).
+_WARNINGS = own._WARNINGS
+_STORE = own._STORE
+_vllm_shutdown = own._vllm_shutdown
 
 
 def _mla_bootstrap():
-    import logging
-
-    import vllm
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    """test_vllm_own_code's bootstrap (vLLM once, a one-rank gloo group,
+    warnings collected), then the MLA backends a CPU cannot select."""
+    info = own._vllm_bootstrap()
     from vllm.model_executor.layers.attention import mla_attention
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    class Collect(logging.Handler):
-        def emit(self, record):
-            if record.levelno >= logging.WARNING:
-                _WARNINGS.append(record.getMessage())
-
-    logging.getLogger("vllm").addHandler(Collect())
-    store = tempfile.mkstemp(prefix="kvcal-vllm-dist-")
-    os.close(store[0])
-    _STORE.append(store[1])
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{store[1]}",
-                                     local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
     # Backend selection needs a GPU platform (module docstring).
     triton_mla = AttentionBackendEnum["TRITON_MLA"].get_class()
     mla_attention.get_attn_backend = lambda *args, **kwargs: triton_mla
     cpu_prefill = MLAPrefillBackendEnum["CPU"].get_class()
     mla_attention.get_mla_prefill_backend = lambda *args, **kwargs: cpu_prefill
     current_platform.num_compute_units = lambda *args, **kwargs: 1
-    return {"vllm": vllm.__version__, "vllm_file": vllm.__file__}
+    return {"vllm": info["vllm"], "vllm_file": info["vllm_file"]}
 
 
 def _deepseek_checkpoint(quantization_config):
