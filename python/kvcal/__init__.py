@@ -24,6 +24,8 @@ _LAZY = {"Client": "kvcal.client", "Geometry": "kvcal.client", "KvcalError": "kv
          "DEFAULT_HISTOGRAMS": "kvcal.client", "Producer": "kvcal.producer",
          "ProducerError": "kvcal.producer", "WorkerProducer": "kvcal.producer",
          "ShardedProducer": "kvcal.producer", "Scales": "kvcal.scales",
+         # the statistics engine in this process (the extension kvcal._engine)
+         "LocalStatistics": "kvcal.local_statistics",
          # kvcal-calibrate as a function (torch is imported when it runs)
          "calibrate_model": "kvcal.calibrate", "CalibrationResult": "kvcal.calibrate"}
 
@@ -45,7 +47,7 @@ def _version():
 
 __version__ = _version()
 __all__ = ["Client", "Geometry", "KvcalError", "Producer", "ProducerError", "WorkerProducer",
-           "ShardedProducer", "Scales", "DEFAULT_HISTOGRAMS"]
+           "ShardedProducer", "Scales", "DEFAULT_HISTOGRAMS", "LocalStatistics"]
 
 
 def __getattr__(name):  # the API above, and kvcal.torch / kvcal.vllm, on first use

@@ -558,6 +558,18 @@ class Client:
         return self._call("ExportState", self._stub.ExportState,
                           pb.ExportStateRequest(session_id=self._session(session_id)))
 
+    def import_state(self, state: pb.SessionState, session_id: Optional[str] = None,
+                     import_id: str = "") -> pb.Session:
+        """Merges an exported state (ExportState, kvcal.LocalStatistics.export_state)
+        into the session (ImportState; creates it when it does not exist).
+        A non-empty import_id that the session already applied changes
+        nothing, so a retried import is applied once."""
+        if self.workers is not None:
+            raise ValueError("kvcal: import into each worker: client.workers[i].import_state()")
+        return self._call("ImportState", self._stub.ImportState,
+                          pb.ImportStateRequest(session_id=self._session(session_id),
+                                                state=state, import_id=import_id))
+
     # -- scales --------------------------------------------------------------
     def finalize_response(self, session_id: Optional[str] = None, **kwargs) -> pb.FinalizeResponse:
         """The raw FinalizeResponse (scales, absmax, counts); see finalize()."""
