@@ -131,7 +131,8 @@ def test_outlier_layer_is_advised_and_skipping_it_helps(kv_format, kv_only):
     result = SimpleNamespace(
         chosen=cand, scale_one=cand, candidates=[cand], samples={"holdout": 8},
         holdout_tokens=out["tokens"], reference_nll=out["reference_nll"], why="test",
-        skip=advice, platform="per tensor", patch=SimpleNamespace(describe=lambda: "patched"),
+        skip=advice, formats=None, platform="per tensor",
+        patch=SimpleNamespace(describe=lambda: "patched"),
         inspect={}, report=None, serve=serve, timings={}, warnings=[])
     text = calibrate.summary(result)
     assert advice.describe()[0] in text and advice.describe()[1] in text
