@@ -14,6 +14,10 @@ second session, and requires:
   counts, histograms, tails, per-batch min/max) but for the float64 sums,
   which may differ by summation order (chunking): bounded here, and read by
   no observer.
+Also: four threads accumulating at once leave a single thread's state; bad
+input is refused with the worker's words and changes nothing; a state of
+other options is refused by ImportState; torch CUDA tensors on the CUDA
+backend equal the CPU engine (skips without a CUDA device: not run yet).
 """
 import struct
 
@@ -175,6 +179,63 @@ def test_local_statistics_equal_the_workers(two_sessions):
     assert worst < 1e-12, worst
 
 
+def test_threads_accumulating_at_once():
+    """accumulate() releases the GIL and the engine is thread-safe: four
+    threads accumulating one producer's tensors at once leave the state a
+    single thread leaves (all but the float64 sums, whose order differs)."""
+    import threading
+
+    batches = producer_batches(3, [0, 1, 2, 3])
+    items = [(key, t, b) for b, tensors in batches for key, t in tensors.items()]
+    geometry = kvcal.Geometry(**GEOMETRY)
+    alone, shared = kvcal.LocalStatistics(geometry), kvcal.LocalStatistics(geometry)
+    for key, t, b in items:
+        alone.accumulate(*key, t, batch=b)
+    errors = []
+
+    def run(part):
+        try:
+            for key, t, b in items[part::4]:
+                shared.accumulate(*key, t, batch=b)
+        except BaseException as e:  # noqa: reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert shared.counters == alone.counters
+    mine = parse_statistics(shared.export_state().statistics)
+    theirs = parse_statistics(alone.export_state().statistics)
+    for m, t in zip(mine, theirs):
+        assert m[:5] == t[:5] and m[7:] == t[7:]
+
+
+def test_cuda_tensors_in_place_equal_cpu():
+    """backend="cuda": torch CUDA tensors read in place on their device (after
+    the current stream's work) give the CPU engine's statistics but for the
+    sums. Skips without a CUDA device (never run so far: no GPU was lent)."""
+    from kvcal.local_statistics import load_engine
+
+    if not torch.cuda.is_available() or load_engine().cuda_device_count() == 0:
+        pytest.skip("no CUDA device")
+    geometry = kvcal.Geometry(**GEOMETRY)
+    cpu = kvcal.LocalStatistics(geometry)
+    cuda = kvcal.LocalStatistics(geometry, backend="cuda", device=torch.cuda.current_device())
+    assert cuda.backend == "cuda"
+    for b, tensors in producer_batches(4, [0, 1, 2]):
+        for key, t in tensors.items():
+            cpu.accumulate(*key, t, batch=b)
+            cuda.accumulate(*key, t.cuda(), batch=b)
+    assert cuda.counters == cpu.counters
+    mine = parse_statistics(cuda.export_state().statistics)
+    theirs = parse_statistics(cpu.export_state().statistics)
+    for m, t in zip(mine, theirs):
+        assert m[:5] == t[:5] and m[7:] == t[7:]
+
+
 def test_refusals_change_nothing(worker):
     client = kvcal.Client(worker.target)
     client.create_session(geometry=GEOMETRY, roles=("k", "v"), reject_non_finite=True)
@@ -226,3 +287,17 @@ def test_engine_not_found_is_explained(monkeypatch, tmp_path):
     monkeypatch.delitem(__import__("sys").modules, "kvcal._engine", raising=False)
     with pytest.raises(ImportError, match="kvcal._engine is not available"):
         local_statistics.load_engine()
+
+
+def test_backend_choice():
+    from kvcal.local_statistics import load_engine
+
+    geometry = kvcal.Geometry(**GEOMETRY)
+    with pytest.raises(ValueError, match="unknown backend 'gpu': use auto, cpu or cuda"):
+        kvcal.LocalStatistics(geometry, backend="gpu")
+    has_device = load_engine().cuda_device_count() > 0
+    assert kvcal.LocalStatistics(geometry, backend="auto").backend == (
+        "cuda" if has_device else "cpu")
+    if not has_device:
+        with pytest.raises(RuntimeError, match="needs a GPU|not compiled into this build"):
+            kvcal.LocalStatistics(geometry, backend="cuda")
