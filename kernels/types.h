@@ -6,10 +6,12 @@
 //                            .num_key_value_heads = 8, .head_dim = 128,
 //                            .bins_per_octave = 64};
 //   KVCAL_RETURN_IF_ERROR(geometry.Validate());
-//   kvcal::ChunkView chunk{.layer = 3, .role = kvcal::Role::kK,
-//                          .dtype = kvcal::DType::kBf16,
-//                          .layout = kvcal::Layout::kTokensHeadsDim,
-//                          .shape = {512, 8, 128}, .data = bytes};
+//   kvcal::ChunkView chunk{{.layer = 3, .role = kvcal::Role::kK,
+//                           .dtype = kvcal::DType::kBf16,
+//                           .layout = kvcal::Layout::kTokensHeadsDim,
+//                           .shape = {512, 8, 128}, .head_offset = 0,
+//                           .batch = 0},
+//                          bytes, {}};
 //   KVCAL_ASSIGN_OR_RETURN(kvcal::ChunkExtent extent,
 //                          kvcal::ValidateChunk(geometry, chunk));
 #ifndef KVCAL_KERNELS_TYPES_H_
@@ -77,14 +79,14 @@ struct Geometry {
   friend bool operator==(const Geometry&, const Geometry&) = default;
 };
 
-// One chunk of activations, not owned. Its bytes (row-major, little-endian)
-// are `data`, or, when `pieces` is not empty, the pieces one after the other
-// (a message as it arrived, in several receive buffers; `data` is then
-// empty). A value may straddle two pieces.
+// What a chunk of activations is, apart from its bytes: where it belongs
+// (layer, role, the producer's batch) and how its values lie (dtype, layout,
+// shape). A ChunkView, a held-out chunk (service) and a dumped tensor
+// (client) are each one of these plus their bytes.
 // Layout kTokensHeadsDim: shape [..., heads, head_dim] (rank >= 2; a rank-2
 // shape is one token). Layout kHeadsTokensDim: shape [batch, heads, tokens,
 // head_dim]. The chunk carries heads [head_offset, head_offset + heads).
-struct ChunkView {
+struct ChunkHeader {
   uint32_t layer = 0;
   Role role = Role::kQ;
   DType dtype = DType::kF32;
@@ -92,6 +94,15 @@ struct ChunkView {
   std::vector<uint64_t> shape;
   uint32_t head_offset = 0;
   uint64_t batch = 0;
+
+  friend bool operator==(const ChunkHeader&, const ChunkHeader&) = default;
+};
+
+// One chunk of activations, not owned. Its bytes (row-major, little-endian)
+// are `data`, or, when `pieces` is not empty, the pieces one after the other
+// (a message as it arrived, in several receive buffers; `data` is then
+// empty). A value may straddle two pieces.
+struct ChunkView : ChunkHeader {
   absl::Span<const std::byte> data;
   std::vector<absl::Span<const std::byte>> pieces;
 

@@ -157,15 +157,9 @@ RoleShares SharesOf(const Fp8AttentionErrorSums& sums, Role role,
 HoldoutChunk HoldoutChunk::Of(std::string producer_id, uint64_t sequence,
                               const ChunkView& chunk) {
   HoldoutChunk c;
+  static_cast<ChunkHeader&>(c) = chunk;
   c.producer_id = std::move(producer_id);
   c.sequence = sequence;
-  c.batch = chunk.batch;
-  c.layer = chunk.layer;
-  c.role = chunk.role;
-  c.dtype = chunk.dtype;
-  c.layout = chunk.layout;
-  c.shape = chunk.shape;
-  c.head_offset = chunk.head_offset;
   // A chunk from the zero-copy Ingest path is in gRPC's slices (`pieces`):
   // the held-out copy gathers them.
   c.data.resize(chunk.byte_size());
@@ -174,17 +168,11 @@ HoldoutChunk HoldoutChunk::Of(std::string producer_id, uint64_t sequence,
 }
 
 ChunkView HoldoutChunk::view() const {
-  ChunkView v;
-  v.layer = layer;
-  v.role = role;
-  v.dtype = dtype;
-  v.layout = layout;
-  v.shape = shape;
-  v.head_offset = head_offset;
-  v.batch = batch;
-  v.data = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(data.data()),
-                               data.size());
-  return v;
+  return ChunkView{
+      *this,
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(data.data()),
+                          data.size()),
+      {}};
 }
 
 HoldoutStore::HoldoutStore(uint64_t budget_bytes)

@@ -43,17 +43,11 @@ namespace kvcal::service {
 // 64 MiB: CreateSession's holdout_budget_bytes = 0.
 inline constexpr uint64_t kDefaultHoldoutBudgetBytes = uint64_t{64} << 20;
 
-// One held-out chunk, owning its data.
-struct HoldoutChunk {
+// One held-out chunk, owning its data: the chunk's header, its bytes and
+// who sent it.
+struct HoldoutChunk : ChunkHeader {
   std::string producer_id;
   uint64_t sequence = 0;
-  uint64_t batch = 0;
-  uint32_t layer = 0;
-  Role role = Role::kQ;
-  DType dtype = DType::kF32;
-  Layout layout = Layout::kTokensHeadsDim;
-  std::vector<uint64_t> shape;
-  uint32_t head_offset = 0;
   std::string data;
 
   static HoldoutChunk Of(std::string producer_id, uint64_t sequence,

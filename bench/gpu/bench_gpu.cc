@@ -166,16 +166,16 @@ absl::Status Run(const Options& options) {
                             .role_mask = 0b010};
     KVCAL_ASSIGN_OR_RETURN(std::unique_ptr<CudaStatisticsBackend> backend,
                            CreateCudaStatisticsBackend(geometry));
-    ChunkView chunk{.layer = 0,
-                    .role = Role::kK,
-                    .dtype = variant.dtype,
-                    .layout = Layout::kTokensHeadsDim,
-                    .shape = {tokens, kHeads, kHeadDim},
-                    .batch = 0,
-                    .data = absl::Span<const std::byte>(
+    ChunkView chunk{{.layer = 0,
+                     .role = Role::kK,
+                     .dtype = variant.dtype,
+                     .layout = Layout::kTokensHeadsDim,
+                     .shape = {tokens, kHeads, kHeadDim},
+                     .batch = 0},
+                    absl::Span<const std::byte>(
                         reinterpret_cast<const std::byte*>(buffer.get()),
                         tokens * kHeads * kHeadDim * element_size),
-                    .pieces = {}};
+                    {}};
     const double chunk_bytes = static_cast<double>(chunk.data.size());
     // First chunk: the tails are empty, so every value is a candidate.
     const Clock::time_point first = Clock::now();
@@ -263,14 +263,14 @@ absl::Status Run(const Options& options) {
     KVCAL_ASSIGN_OR_RETURN(std::unique_ptr<CudaStatisticsBackend> backend,
                            CreateCudaStatisticsBackend(geometry));
     const ChunkView chunk{
-        .layer = 0,
-        .role = Role::kK,
-        .dtype = DType::kBf16,
-        .layout = Layout::kTokensHeadsDim,
-        .shape = {tokens, kHeads, kHeadDim},
-        .data = absl::Span<const std::byte>(
+        {.layer = 0,
+         .role = Role::kK,
+         .dtype = DType::kBf16,
+         .layout = Layout::kTokensHeadsDim,
+         .shape = {tokens, kHeads, kHeadDim}},
+        absl::Span<const std::byte>(
             reinterpret_cast<const std::byte*>(host.data()), staged_bytes),
-        .pieces = {}};
+        {}};
     KVCAL_RETURN_IF_ERROR(backend->Accumulate(chunk));
     KVCAL_RETURN_IF_ERROR(backend->Synchronize());
     KVCAL_ASSIGN_OR_RETURN(const double gbps,

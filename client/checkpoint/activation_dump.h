@@ -26,29 +26,15 @@
 
 namespace kvcal {
 
-struct DumpTensor {
+// One activation tensor of a dump: a chunk header (head_offset 0: every
+// head of the role), where it was read from, and its bytes (not owned).
+struct DumpTensor : ChunkHeader {
   std::string file;  // file name within the dump directory
   std::string name;
-  uint64_t batch = 0;
-  uint32_t layer = 0;
-  Role role = Role::kQ;
-  DType dtype = DType::kF32;
-  Layout layout = Layout::kTokensHeadsDim;
-  std::vector<uint64_t> shape;
   absl::Span<const std::byte> data;
 
   // The whole tensor as one chunk (all its heads, not owned).
-  ChunkView View() const {
-    return ChunkView{.layer = layer,
-                     .role = role,
-                     .dtype = dtype,
-                     .layout = layout,
-                     .shape = shape,
-                     .head_offset = 0,
-                     .batch = batch,
-                     .data = data,
-                     .pieces = {}};
-  }
+  ChunkView View() const { return ChunkView{*this, data, {}}; }
 };
 
 class ActivationDump {

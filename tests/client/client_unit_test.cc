@@ -47,22 +47,22 @@ void ExpectExactCover(const ChunkView& chunk,
 TEST(SplitChunkTest, SmallChunkIsKept) {
   std::vector<float> data(4 * 2 * 8);
   ChunkView c{
-      .shape = {4, 2, 8},
-      .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4),
-      .pieces = {}};
+      {.shape = {4, 2, 8}},
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(data.data()),
+                          data.size() * 4),
+      {}};
   EXPECT_EQ(SplitChunk(c, 1 << 20).size(), 1u);
 }
 
 TEST(SplitChunkTest, TokensHeadsDimSplitsIntoTokenRanges) {
   std::vector<float> data(10 * 2 * 8);
   ChunkView c{
-      .layer = 3,
-      .shape = {2, 5, 2, 8},  // two leading token dims
-      .batch = 9,
-      .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4),
-      .pieces = {}};
+      {.layer = 3,
+       .shape = {2, 5, 2, 8},  // two leading token dims
+       .batch = 9},
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(data.data()),
+                          data.size() * 4),
+      {}};
   const auto parts = SplitChunk(c, 3 * 2 * 8 * 4);  // three tokens per part
   ASSERT_EQ(parts.size(), 4u);
   EXPECT_EQ(parts[0].shape, (std::vector<uint64_t>{3, 2, 8}));
@@ -73,12 +73,10 @@ TEST(SplitChunkTest, TokensHeadsDimSplitsIntoTokenRanges) {
 TEST(SplitChunkTest, OversizedTokenSplitsItsHeads) {
   std::vector<uint16_t> data(3 * 5 * 8);
   ChunkView c{
-      .dtype = DType::kBf16,
-      .shape = {3, 5, 8},
-      .head_offset = 4,
-      .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), data.size() * 2),
-      .pieces = {}};
+      {.dtype = DType::kBf16, .shape = {3, 5, 8}, .head_offset = 4},
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(data.data()),
+                          data.size() * 2),
+      {}};
   const auto parts = SplitChunk(c, 2 * 8 * 2);  // two heads of one token
   ASSERT_EQ(parts.size(), 9u);                  // 3 tokens x (2 + 2 + 1) heads
   EXPECT_EQ(parts[0].head_offset, 4u);
@@ -91,11 +89,10 @@ TEST(SplitChunkTest, OversizedTokenSplitsItsHeads) {
 TEST(SplitChunkTest, HeadsTokensDimSplitsBatchThenHeadsThenSequence) {
   std::vector<float> data(2 * 3 * 4 * 8);
   ChunkView c{
-      .layout = Layout::kHeadsTokensDim,
-      .shape = {2, 3, 4, 8},
-      .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4),
-      .pieces = {}};
+      {.layout = Layout::kHeadsTokensDim, .shape = {2, 3, 4, 8}},
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(data.data()),
+                          data.size() * 4),
+      {}};
   // Whole batch entries.
   auto parts = SplitChunk(c, 3 * 4 * 8 * 4);
   ASSERT_EQ(parts.size(), 2u);
@@ -118,11 +115,10 @@ TEST(SplitChunkTest, HeadsTokensDimSplitsBatchThenHeadsThenSequence) {
 TEST(SplitChunkTest, WholeSequencesAreNeverCutByTokens) {
   std::vector<float> data(2 * 3 * 4 * 8);
   ChunkView c{
-      .layout = Layout::kHeadsTokensDim,
-      .shape = {2, 3, 4, 8},
-      .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), data.size() * 4),
-      .pieces = {}};
+      {.layout = Layout::kHeadsTokensDim, .shape = {2, 3, 4, 8}},
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(data.data()),
+                          data.size() * 4),
+      {}};
   // Below one head of one sequence: one (entry, head) per part, whole.
   auto parts = SplitChunk(c, 3 * 8 * 4, /*whole_sequences=*/true);
   ASSERT_EQ(parts.size(), 2u * 3);
@@ -135,10 +131,10 @@ TEST(SplitChunkTest, WholeSequencesAreNeverCutByTokens) {
   ExpectExactCover(c, parts, 2 * 4 * 8 * 4);
   // [tokens, heads, dim] is one sequence: sent whole.
   ChunkView t{
-      .shape = {12, 2, 8},
-      .data = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(data.data()), 12 * 2 * 8 * 4),
-      .pieces = {}};
+      {.shape = {12, 2, 8}},
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(data.data()),
+                          12 * 2 * 8 * 4),
+      {}};
   parts = SplitChunk(t, 64, /*whole_sequences=*/true);
   ASSERT_EQ(parts.size(), 1u);
   EXPECT_EQ(parts[0].shape, t.shape);
