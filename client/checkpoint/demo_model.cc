@@ -63,16 +63,17 @@ absl::Status WriteDemoCheckpoint(const std::string& dir,
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir));
-  const uint32_t hidden = o.num_attention_heads * o.head_dim;
-  const uint32_t kv = o.num_key_value_heads * o.head_dim;
+  const ModelGeometry& g = o.geometry;
+  const uint32_t hidden = g.num_attention_heads * g.head_dim;
+  const uint32_t kv = g.num_key_value_heads * g.head_dim;
   Json config = {{"architectures", {"LlamaForCausalLM"}},
                  {"model_type", "llama"},
                  {"hidden_size", hidden},
                  {"intermediate_size", o.intermediate_size},
-                 {"num_hidden_layers", o.num_layers},
-                 {"num_attention_heads", o.num_attention_heads},
-                 {"num_key_value_heads", o.num_key_value_heads},
-                 {"head_dim", o.head_dim},
+                 {"num_hidden_layers", g.num_layers},
+                 {"num_attention_heads", g.num_attention_heads},
+                 {"num_key_value_heads", g.num_key_value_heads},
+                 {"head_dim", g.head_dim},
                  {"max_position_embeddings", 2048},
                  {"rms_norm_eps", 1e-5},
                  {"rope_theta", 500000.0},
@@ -87,9 +88,9 @@ absl::Status WriteDemoCheckpoint(const std::string& dir,
   std::vector<std::vector<OwnedTensor>> shards(o.sharded ? 2 : 1);
   shards[0].push_back(RandomBf16("model.embed_tokens.weight",
                                  {o.vocab_size, hidden}, 0.02f, rng));
-  for (uint32_t l = 0; l < o.num_layers; ++l) {
+  for (uint32_t l = 0; l < g.num_layers; ++l) {
     std::vector<OwnedTensor>& shard =
-        shards[o.sharded && l >= (o.num_layers + 1) / 2 ? 1 : 0];
+        shards[o.sharded && l >= (g.num_layers + 1) / 2 ? 1 : 0];
     const std::string p = absl::StrCat("model.layers.", l, ".");
     shard.push_back(
         RandomBf16(p + "input_layernorm.weight", {hidden}, 0.1f, rng));
@@ -149,26 +150,28 @@ absl::Status WriteDemoDumps(const std::string& dir, const DemoModelOptions& m,
   for (uint32_t b = 0; b < o.batches; ++b) {
     std::vector<std::vector<float>> storage;
     std::vector<TensorToWrite> tensors;
-    for (uint32_t l = 0; l < m.num_layers; ++l) {
+    for (uint32_t l = 0; l < m.geometry.num_layers; ++l) {
       for (int r = 0; r < 3; ++r) {
-        const uint32_t heads =
-            r == 0 ? m.num_attention_heads : m.num_key_value_heads;
+        const uint32_t heads = r == 0 ? m.geometry.num_attention_heads
+                                      : m.geometry.num_key_value_heads;
         const uint32_t outlier_head =
             (l * 3 + static_cast<uint32_t>(r)) % heads;
-        std::vector<float> values(uint64_t{o.tokens} * heads * m.head_dim);
+        std::vector<float> values(uint64_t{o.tokens} * heads *
+                                  m.geometry.head_dim);
         // Generated as [token][head][dim]; written in the chosen layout.
         for (uint32_t t = 0; t < o.tokens; ++t) {
           for (uint32_t h = 0; h < heads; ++h) {
             const float head_scale =
                 (h == outlier_head ? 6.0f : 1.0f) * (1.0f + 0.1f * l) *
                 (r == 2 ? 0.5f : 1.5f) * (1.0f + 0.05f * b);
-            for (uint32_t d = 0; d < m.head_dim; ++d) {
+            for (uint32_t d = 0; d < m.geometry.head_dim; ++d) {
               float x = student_t() * head_scale;
-              if (r == 1 && (d == 3 || d == m.head_dim / 2 + 3)) x *= 10.0f;
+              if (r == 1 && (d == 3 || d == m.geometry.head_dim / 2 + 3))
+                x *= 10.0f;
               const uint64_t index =
                   o.heads_tokens_dim
-                      ? (uint64_t{h} * o.tokens + t) * m.head_dim + d
-                      : (uint64_t{t} * heads + h) * m.head_dim + d;
+                      ? (uint64_t{h} * o.tokens + t) * m.geometry.head_dim + d
+                      : (uint64_t{t} * heads + h) * m.geometry.head_dim + d;
               values[index] = x;
             }
           }
@@ -176,8 +179,8 @@ absl::Status WriteDemoDumps(const std::string& dir, const DemoModelOptions& m,
         storage.push_back(std::move(values));
         const std::vector<uint64_t> shape =
             o.heads_tokens_dim
-                ? std::vector<uint64_t>{1, heads, o.tokens, m.head_dim}
-                : std::vector<uint64_t>{o.tokens, heads, m.head_dim};
+                ? std::vector<uint64_t>{1, heads, o.tokens, m.geometry.head_dim}
+                : std::vector<uint64_t>{o.tokens, heads, m.geometry.head_dim};
         tensors.push_back(
             {ActivationTensorName(l, kAllRoles[r]), "F32", shape,
              absl::Span<const std::byte>(

@@ -20,19 +20,17 @@
 
 namespace kvcal {
 
+// The attention geometry (what config.json will say, what the dumps hold)
+// and the rest of a Llama model's size.
 struct DemoModelOptions {
-  uint32_t num_layers = 4;
-  uint32_t num_attention_heads = 8;
-  uint32_t num_key_value_heads = 2;
-  uint32_t head_dim = 32;
+  ModelGeometry geometry{.num_layers = 4,
+                         .num_attention_heads = 8,
+                         .num_key_value_heads = 2,
+                         .head_dim = 32};
   uint32_t intermediate_size = 512;
   uint32_t vocab_size = 512;
   bool sharded = true;
   uint64_t seed = 1;
-
-  ModelGeometry geometry() const {
-    return {num_layers, num_attention_heads, num_key_value_heads, head_dim};
-  }
 };
 
 struct DemoDumpOptions {

@@ -108,10 +108,10 @@ absl::StatusOr<Json> FinalizeBothObservers(CalibrationClient& client,
 absl::Status WriteDemoInputs(const std::string& model_dir,
                              const std::string& dump_dir, std::ostream* out) {
   DemoModelOptions model;
-  model.num_layers = 4;
-  model.num_attention_heads = 8;
-  model.num_key_value_heads = 2;
-  model.head_dim = 64;
+  model.geometry = {.num_layers = 4,
+                    .num_attention_heads = 8,
+                    .num_key_value_heads = 2,
+                    .head_dim = 64};
   model.intermediate_size = 1024;
   model.vocab_size = 1024;
   DemoDumpOptions dumps{.batches = 4, .tokens = 256};
@@ -123,8 +123,9 @@ absl::Status WriteDemoInputs(const std::string& model_dir,
         "KV heads, head_dim %u; two shards + index) to %s\n"
         "      and %u batches x %u tokens of Q/K/V activations (Student-t "
         "tails, outlier heads, outlier K channels) to %s\n",
-        model.num_layers, model.num_attention_heads, model.num_key_value_heads,
-        model.head_dim, model_dir, dumps.batches, dumps.tokens, dump_dir);
+        model.geometry.num_layers, model.geometry.num_attention_heads,
+        model.geometry.num_key_value_heads, model.geometry.head_dim, model_dir,
+        dumps.batches, dumps.tokens, dump_dir);
   }
   return absl::OkStatus();
 }

@@ -43,10 +43,10 @@ bool InsideMappingOf(const std::string& path,
 TEST(ActivationDumpTest, ReadsDemoDumpsInNameOrderWithoutCopying) {
   TempDir dir;
   DemoModelOptions model;
-  model.num_layers = 2;
+  model.geometry.num_layers = 2;
   ASSERT_TRUE(
       WriteDemoDumps(dir.path(), model, {.batches = 3, .tokens = 5}).ok());
-  const Geometry geometry = model.geometry().ToGeometry(64);
+  const Geometry geometry = model.geometry.ToGeometry(64);
   auto dump = ActivationDump::Open(dir.path(), &geometry);
   ASSERT_TRUE(dump.ok()) << dump.status();
   EXPECT_EQ(dump->file_count(), 3u);
@@ -80,7 +80,7 @@ TEST(ActivationDumpTest, ReadsDemoDumpsInNameOrderWithoutCopying) {
 TEST(ActivationDumpTest, HeadsTokensDimLayoutFromMetadata) {
   TempDir dir;
   DemoModelOptions model;
-  model.num_layers = 1;
+  model.geometry.num_layers = 1;
   ASSERT_TRUE(
       WriteDemoDumps(dir.path(), model,
                      {.batches = 1, .tokens = 4, .heads_tokens_dim = true})

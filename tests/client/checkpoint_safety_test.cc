@@ -142,10 +142,10 @@ std::set<std::string> AllNames(const std::string& dir) {
 
 DemoModelOptions TinyModel(bool sharded) {
   DemoModelOptions o;
-  o.num_layers = 2;
-  o.num_attention_heads = 4;
-  o.num_key_value_heads = 2;
-  o.head_dim = 8;
+  o.geometry = {.num_layers = 2,
+                .num_attention_heads = 4,
+                .num_key_value_heads = 2,
+                .head_dim = 8};
   o.intermediate_size = 64;
   o.vocab_size = 256;
   o.sharded = sharded;

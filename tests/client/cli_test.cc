@@ -27,10 +27,10 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
-using ::testing::SizeIs;
-using ::testing::StartsWith;
 using testing::ProcessResult;
 using testing::RunProcess;
+using ::testing::SizeIs;
+using ::testing::StartsWith;
 using testing::WorkerProcess;
 
 constexpr char kNowhere[] = "127.0.0.1:1";  // nothing listens on port 1
@@ -53,7 +53,9 @@ class CliTest : public ::testing::Test {
     std::filesystem::create_directories(dir_);
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string Path(const std::string& name) const {
+    return (dir_ / name).string();
+  }
 
   std::filesystem::path dir_;
 };
@@ -77,8 +79,8 @@ TEST_F(CliTest, ImpossibleNumbersAreUsageErrorsNamingFlagAndRange) {
       {{"push", "--server", kNowhere, "--session", "s", "--holdout-batches",
         "two", dumps},
        "kvcal push: --holdout-batches: 'two' is not a whole number"},
-      {{"calibrate", "--server", kNowhere, "--checkpoint", "m",
-        "--chunk-bytes", "0", dumps},
+      {{"calibrate", "--server", kNowhere, "--checkpoint", "m", "--chunk-bytes",
+        "0", dumps},
        "kvcal calibrate: --chunk-bytes: 0 is out of range"},
       {{"create", "--server", kNowhere, "--config", "c.json", "--histograms",
         "3"},
@@ -212,9 +214,8 @@ TEST_F(CliTest, KvcalServerFromTheEnvironmentIsCheckedOnlyWhereItIsUsed) {
   EXPECT_THAT(r.err, StartsWith("kvcal status: --server: 'worker:abc': port "
                                 "'abc' is not a number"));
   r = Kvcal({"status"}, "127.0.0.1");
-  EXPECT_THAT(r.err,
-              StartsWith("kvcal: --server 127.0.0.1 has no port: using "
-                         "127.0.0.1:50051 (the default port)\n"));
+  EXPECT_THAT(r.err, StartsWith("kvcal: --server 127.0.0.1 has no port: using "
+                                "127.0.0.1:50051 (the default port)\n"));
   // ServerWithoutAPortDialsTheDefaultPortAndSaysSo, which ctest may run at
   // the same time, can have a worker on 50051 now: then status succeeds.
   if (r.exit_code != 0) {
@@ -258,8 +259,7 @@ TEST_F(CliTest, TlsProblemsAreOneLineNamingTheAddressAndTheCause) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_EQ(r.err, "kvcal status: --tls-ca " + not_pem +
                        ": not a PEM certificate (no -----BEGIN line)\n");
-  r = Kvcal({"status", "--server", kNowhere, "--tls-ca",
-             Path("certs/ca.key")});
+  r = Kvcal({"status", "--server", kNowhere, "--tls-ca", Path("certs/ca.key")});
   EXPECT_EQ(r.err, "kvcal status: --tls-ca " + Path("certs/ca.key") +
                        ": not a PEM certificate (it holds a PRIVATE KEY)\n");
 
@@ -267,8 +267,8 @@ TEST_F(CliTest, TlsProblemsAreOneLineNamingTheAddressAndTheCause) {
                      Path("certs/server.key")});
   ASSERT_TRUE(tls.ok()) << tls.error();
   // A CA that did not sign the worker's certificate.
-  r = Kvcal({"status", "--server", tls.address(), "--tls-ca",
-             Path("other/ca.pem")});
+  r = Kvcal(
+      {"status", "--server", tls.address(), "--tls-ca", Path("other/ca.pem")});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_EQ(r.err, "kvcal status: " + tls.address() +
                        ": TLS: the worker's certificate is not signed by the "
@@ -291,19 +291,18 @@ TEST_F(CliTest, TlsProblemsAreOneLineNamingTheAddressAndTheCause) {
                        ": TLS handshake failed: the worker does not speak TLS "
                        "(leave out --tls-ca)\n");
   // The right CA works.
-  r = Kvcal({"status", "--server", tls.address(), "--tls-ca",
-             Path("certs/ca.pem")});
+  r = Kvcal(
+      {"status", "--server", tls.address(), "--tls-ca", Path("certs/ca.pem")});
   EXPECT_EQ(r.exit_code, 0) << r.err;
 }
 
 TEST_F(CliTest, AuthTokenFileProblemsNameTheFlag) {
-  ProcessResult r = Kvcal({"status", "--server", kNowhere, "--auth-token-file",
-                           Path("missing")});
+  ProcessResult r = Kvcal(
+      {"status", "--server", kNowhere, "--auth-token-file", Path("missing")});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, StartsWith("kvcal status: --auth-token-file: "));
   EXPECT_THAT(r.err, HasSubstr("No such file or directory"));
-  r = Kvcal({"status", "--server", kNowhere, "--auth-token-file",
-             "/dev/zero"});
+  r = Kvcal({"status", "--server", kNowhere, "--auth-token-file", "/dev/zero"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_EQ(r.err,
             "kvcal status: --auth-token-file: /dev/zero: not a regular file\n");
@@ -318,9 +317,9 @@ TEST_F(CliTest, InspectFindingsGoToStdoutAndErrorsToStderr) {
   EXPECT_THAT(r.err, StartsWith("kvcal inspect: cannot open "));
 
   // A checkpoint without scales: the table on stdout, the errors on stderr.
-  ASSERT_TRUE(
-      WriteDemoCheckpoint(Path("model"), DemoModelOptions{.num_layers = 2})
-          .ok());
+  DemoModelOptions two_layers;
+  two_layers.geometry.num_layers = 2;
+  ASSERT_TRUE(WriteDemoCheckpoint(Path("model"), two_layers).ok());
   r = Kvcal({"inspect", Path("model")});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.out, HasSubstr("layer  q_scale vLLM uses"));
@@ -334,14 +333,14 @@ TEST_F(CliTest, PatchForAnNvfp4CacheAndInspectWhatVllmDoesWithIt) {
   // A ModelOpt FP8 model FlashInfer can serve (head size 128) and per-tensor
   // scales.
   const std::string model = Path("model");
-  ASSERT_TRUE(
-      WriteDemoCheckpoint(model, DemoModelOptions{.num_layers = 2,
-                                                  .num_attention_heads = 2,
-                                                  .num_key_value_heads = 1,
-                                                  .head_dim = 128,
-                                                  .intermediate_size = 16,
-                                                  .vocab_size = 32})
-          .ok());
+  ASSERT_TRUE(WriteDemoCheckpoint(
+                  model, DemoModelOptions{.geometry = {.num_layers = 2,
+                                                       .num_attention_heads = 2,
+                                                       .num_key_value_heads = 1,
+                                                       .head_dim = 128},
+                                          .intermediate_size = 16,
+                                          .vocab_size = 32})
+                  .ok());
   nlohmann::ordered_json config;
   std::ifstream(model + "/config.json") >> config;
   config["quantization_config"] = {{"quant_method", "modelopt"},

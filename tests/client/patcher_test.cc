@@ -36,10 +36,10 @@ using ::testing::HasSubstr;
 
 DemoModelOptions SmallModel(bool sharded) {
   DemoModelOptions o;
-  o.num_layers = 3;
-  o.num_attention_heads = 4;
-  o.num_key_value_heads = 2;
-  o.head_dim = 8;
+  o.geometry = {.num_layers = 3,
+                .num_attention_heads = 4,
+                .num_key_value_heads = 2,
+                .head_dim = 8};
   o.intermediate_size = 16;
   o.vocab_size = 32;
   o.sharded = sharded;
@@ -579,7 +579,7 @@ TEST_F(PatcherTest, MalformedInputsFailAndChangeNothing) {
   fs::remove_all(dir_ / "model");
   fs::copy(dir_ / "pristine", dir_ / "model", fs::copy_options::recursive);
   DemoModelOptions wider = model_;
-  wider.num_key_value_heads = 4;
+  wider.geometry.num_key_value_heads = 4;
   const std::string bad = WriteScales(
       MakeScales(wider, Granularity::kPerHead, 0.01f), "bad.safetensors");
   EXPECT_THAT(PatchCheckpoint(Options(bad)).status(),

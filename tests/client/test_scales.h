@@ -23,10 +23,10 @@ inline CalibratedScales MakeScales(const DemoModelOptions& m,
   s.granularity = granularity;
   s.observer = observer;
   s.metadata["session"] = session;
-  for (uint32_t l = 0; l < m.num_layers; ++l) {
+  for (uint32_t l = 0; l < m.geometry.num_layers; ++l) {
     for (Role role : kAllRoles) {
-      const uint32_t heads =
-          role == Role::kQ ? m.num_attention_heads : m.num_key_value_heads;
+      const uint32_t heads = role == Role::kQ ? m.geometry.num_attention_heads
+                                              : m.geometry.num_key_value_heads;
       const uint32_t n = granularity == Granularity::kPerHead ? heads : 1;
       for (uint32_t h = 0; h < n; ++h) {
         s.layers[l][RoleIndex(role)].push_back(

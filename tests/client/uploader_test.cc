@@ -97,10 +97,10 @@ AllScales Scales(CalibrationClient& client, const std::string& session) {
 class UploaderTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    model_.num_layers = 4;
-    model_.num_attention_heads = 8;
-    model_.num_key_value_heads = 2;
-    model_.head_dim = 32;
+    model_.geometry = {.num_layers = 4,
+                       .num_attention_heads = 8,
+                       .num_key_value_heads = 2,
+                       .head_dim = 32};
     ASSERT_TRUE(
         WriteDemoDumps(dir_ / "dumps", model_, {.batches = 3, .tokens = 64})
             .ok());
@@ -116,12 +116,12 @@ class UploaderTest : public ::testing::Test {
   v1::CreateSessionRequest Request(const std::string& id,
                                    uint32_t head_dim) const {
     return kvcal::testing::CreateSessionRequest(
-        id, {model_.num_layers, model_.num_attention_heads,
-             model_.num_key_value_heads, head_dim, 64});
+        id, {model_.geometry.num_layers, model_.geometry.num_attention_heads,
+             model_.geometry.num_key_value_heads, head_dim, 64});
   }
 
   v1::Session Create(CalibrationClient& client, const std::string& id) {
-    auto session = client.CreateSession(Request(id, model_.head_dim));
+    auto session = client.CreateSession(Request(id, model_.geometry.head_dim));
     EXPECT_TRUE(session.ok()) << session.status();
     return session.ok() ? *session : v1::Session();
   }
@@ -465,7 +465,9 @@ TEST_F(UploaderTest, RejectedChunkReturnsTheWorkersErrorAtOnce) {
   ASSERT_NE(worker, nullptr);
   CalibrationClient client = Connect({worker->address()});
   // Every chunk has the wrong head_dim for this session.
-  ASSERT_TRUE(client.CreateSession(Request("small", model_.head_dim / 2)).ok());
+  ASSERT_TRUE(
+      client.CreateSession(Request("small", model_.geometry.head_dim / 2))
+          .ok());
   UploaderOptions options;
   options.counters = std::make_shared<UploadCounters>();
   auto result = client.Upload("small", chunks_, options);
@@ -566,7 +568,7 @@ TEST_F(UploaderTest, ADifferentWorkerSetOrTheWrongWorkerIsRefused) {
   const v1::Session created = Create(two, "set");
   EXPECT_EQ(created.shard_map().worker_ids_size(), 2);
   EXPECT_EQ(created.shard_map().layer_owners_size(),
-            static_cast<int>(model_.num_layers));
+            static_cast<int>(model_.geometry.num_layers));
 
   CalibrationClient three = Connect({a->address(), b->address(), c->address()});
   auto upload = three.Upload("set", chunks_, {});
@@ -576,7 +578,7 @@ TEST_F(UploaderTest, ADifferentWorkerSetOrTheWrongWorkerIsRefused) {
   finalize.set_session_id("set");
   EXPECT_THAT(three.Finalize(finalize).status().message(),
               HasSubstr("added [c]"));
-  auto recreate = three.CreateSession(Request("set", model_.head_dim));
+  auto recreate = three.CreateSession(Request("set", model_.geometry.head_dim));
   EXPECT_EQ(recreate.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(recreate.status().message(), HasSubstr("added [c]"));
   CalibrationClient one = Connect({a->address()});

@@ -1,8 +1,9 @@
 // Conformance of what `kvcal patch` writes with what vLLM 0.34.0 loads, per
 // target x granularity x format, and the loader rules themselves
-// (client/checkpoint/vllm_rules.h) on hand-made checkpoints. Each expectation cites the
-// vLLM file and function it comes from (paths inside the `vllm/` package of
-// the 0.34.0 sdist; docs/formats.md "What vLLM 0.34.0 does with them").
+// (client/checkpoint/vllm_rules.h) on hand-made checkpoints. Each expectation
+// cites the vLLM file and function it comes from (paths inside the `vllm/`
+// package of the 0.34.0 sdist; docs/formats.md "What vLLM 0.34.0 does with
+// them").
 //
 // The expected names, shapes and config fields below are written out by
 // hand from vLLM's source, not taken from kvcal's code, so a patcher that
@@ -45,10 +46,10 @@ constexpr const char* kRoles[] = {"q", "k", "v"};
 
 DemoModelOptions Model() {
   DemoModelOptions o;
-  o.num_layers = kLayers;
-  o.num_attention_heads = kHeads;
-  o.num_key_value_heads = kKvHeads;
-  o.head_dim = 8;
+  o.geometry = {.num_layers = kLayers,
+                .num_attention_heads = kHeads,
+                .num_key_value_heads = kKvHeads,
+                .head_dim = 8};
   o.intermediate_size = 16;
   o.vocab_size = 32;
   o.sharded = true;
@@ -812,10 +813,10 @@ TEST(VllmRulesTest, UnknownMethodIsNotGuessed) {
 // 64, 128, 256, 512).
 DemoModelOptions Nvfp4Model() {
   DemoModelOptions o;
-  o.num_layers = 2;
-  o.num_attention_heads = 2;
-  o.num_key_value_heads = 1;
-  o.head_dim = 128;
+  o.geometry = {.num_layers = 2,
+                .num_attention_heads = 2,
+                .num_key_value_heads = 1,
+                .head_dim = 128};
   o.intermediate_size = 16;
   o.vocab_size = 32;
   o.sharded = true;
@@ -828,11 +829,11 @@ CalibratedScales Nvfp4Scales(Granularity granularity) {
   s.granularity = granularity;
   s.observer = "static_minmax";
   s.metadata["format"] = "float8_e4m3fn";
-  for (uint32_t l = 0; l < m.num_layers; ++l) {
+  for (uint32_t l = 0; l < m.geometry.num_layers; ++l) {
     for (int r = 0; r < 3; ++r) {
       const uint32_t n = granularity == Granularity::kPerTensor ? 1
-                         : r == 0 ? m.num_attention_heads
-                                  : m.num_key_value_heads;
+                         : r == 0 ? m.geometry.num_attention_heads
+                                  : m.geometry.num_key_value_heads;
       for (uint32_t h = 0; h < n; ++h) {
         s.layers[l][r].push_back(0.02f * (1 + l) + 0.005f * r + 0.001f * h);
       }
