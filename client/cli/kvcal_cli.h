@@ -55,22 +55,15 @@ struct ConnectionArgs {
   std::string tls_key;
 };
 
+// finalize's flags. The observer, granularity and format by name (what the
+// user typed, parsed by MakeFinalizeRequest); every other knob is written
+// straight into `request` as its flag is read: the FinalizeRequest message
+// declares them and their defaults (0 = the worker's, ScaleOptions').
 struct FinalizeArgs {
   std::string observer = "static-minmax";
   std::string granularity = "tensor";
   std::string format = "fp8-e4m3fn";
-  float averaging_constant = 0;
-  double percentile = 0;
-  float margin = 0;
-  uint32_t mse_grid = 0;
-  float mse_max_shrink = 0;
-  float mse_norm = 0;
-  uint32_t mse_patience = 0;
-  bool q_per_kv_group = false;
-  bool allow_missing = false;
-  bool evaluate = false;
-  bool evaluate_kv_only = false;
-  bool auto_per_session = false;
+  v1::FinalizeRequest request;
 };
 
 struct Args {

@@ -43,7 +43,74 @@ void AddConnection(CLI::App* app, ConnectionArgs& c,
   key->needs(cert);
 }
 
+namespace {
+
+// --NAME VALUE, written into `r` by `set` (one of its setters) when read.
+template <typename T>
+CLI::Option* AddRequestOption(CLI::App* app, const std::string& name,
+                              v1::FinalizeRequest& r,
+                              void (v1::FinalizeRequest::*set)(T),
+                              std::string help) {
+  return app->add_option_function<T>(
+      name, [&r, set](const T& value) { (r.*set)(value); }, std::move(help));
+}
+
+// --NAME, setting `set` (a bool field of `r`) when given.
+void AddRequestFlag(CLI::App* app, const std::string& name,
+                    v1::FinalizeRequest& r,
+                    void (v1::FinalizeRequest::*set)(bool), std::string help) {
+  app->add_flag_function(
+      name, [&r, set](int64_t count) { (r.*set)(count > 0); }, std::move(help));
+}
+
+// The observers' numeric options. 0 = the worker's default; the defaults
+// live in ScaleOptions, the valid ranges in ScaleOptions::Validate
+// (kernels/scale_math.cc): checked here too, so that a wrong value is a usage
+// error before anything is sent.
+void AddObserverNumbers(CLI::App* app, v1::FinalizeRequest& r) {
+  using R = v1::FinalizeRequest;
+  const ScaleOptions d;
+  const auto worker_default = [](auto value) {
+    return absl::StrCat("the worker's default, ", value);
+  };
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  constexpr uint64_t kU32 = std::numeric_limits<uint32_t>::max();
+  AddRequestOption(
+      app, "--averaging-constant", r, &R::set_averaging_constant,
+      absl::StrCat("minmax-ema constant (0 = ", d.averaging_constant, ")"))
+      ->check(cli::InRange(cli::RealRange{
+          0, 1, true, false, worker_default(d.averaging_constant)}));
+  AddRequestOption(app, "--percentile", r, &R::set_percentile,
+                   absl::StrCat("percentile p (0 = ", d.percentile, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, 100, true, false, worker_default(d.percentile)}));
+  AddRequestOption(app, "--margin", r, &R::set_margin,
+                   absl::StrCat("multiplies every range (0 = ", d.margin, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, kInf, true, true, worker_default(d.margin)}));
+  AddRequestOption(app, "--mse-grid", r, &R::set_mse_grid,
+                   absl::StrCat("MSE grid (0 = ", d.mse_grid, ")"))
+      ->check(cli::InRange(cli::IntRange{
+          0, kU32, absl::StrCat("0 = ", worker_default(d.mse_grid))}));
+  AddRequestOption(app, "--mse-max-shrink", r, &R::set_mse_max_shrink,
+                   absl::StrCat("MSE max shrink (0 = ", d.mse_max_shrink, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, 1, true, true, worker_default(d.mse_max_shrink)}));
+  AddRequestOption(app, "--mse-norm", r, &R::set_mse_norm,
+                   absl::StrCat("MSE error norm (0 = ", d.mse_norm, ")"))
+      ->check(cli::InRange(
+          cli::RealRange{0, kInf, true, true, worker_default(d.mse_norm)}));
+  AddRequestOption(app, "--mse-patience", r, &R::set_mse_patience,
+                   "accepted for llm-compressor compatibility; the MSE search "
+                   "covers the whole grid")
+      ->check(cli::InRange(cli::IntRange{
+          0, kU32, absl::StrCat("0 = ", worker_default(d.mse_patience))}));
+}
+
+}  // namespace
+
 void AddFinalize(CLI::App* app, FinalizeArgs& f) {
+  using R = v1::FinalizeRequest;
   // Spellings from the one names table (proto/names.h): config.json's
   // "minmax", "static_minmax", "attn_head" are accepted as well.
   app->add_option("--observer", f.observer,
@@ -52,14 +119,14 @@ void AddFinalize(CLI::App* app, FinalizeArgs& f) {
                       "observer, judged on the held-out batches")
       ->check(Named(ParseObserver, CliNames(v1::Observer_descriptor())))
       ->capture_default_str();
-  app->add_flag("--evaluate", f.evaluate,
-                "also measure the scales' FP8 attention error on the "
-                "session's held-out batches (push --holdout-batches)");
-  app->add_flag("--evaluate-kv-only", f.evaluate_kv_only,
-                "evaluate with Q unquantized (FP8 KV cache, bf16 query)");
-  app->add_flag("--auto-per-session", f.auto_per_session,
-                "observer auto: one observer for every layer (default: the "
-                "best per layer)");
+  AddRequestFlag(app, "--evaluate", f.request, &R::set_evaluate,
+                 "also measure the scales' FP8 attention error on the "
+                 "session's held-out batches (push --holdout-batches)");
+  AddRequestFlag(app, "--evaluate-kv-only", f.request, &R::set_evaluate_kv_only,
+                 "evaluate with Q unquantized (FP8 KV cache, bf16 query)");
+  AddRequestFlag(app, "--auto-per-session", f.request, &R::set_auto_per_session,
+                 "observer auto: one observer for every layer (default: the "
+                 "best per layer)");
   app->add_option("--granularity", f.granularity,
                   CliNames(v1::Granularity_descriptor()))
       ->check(Named(ParseGranularity, CliNames(v1::Granularity_descriptor())))
@@ -67,50 +134,12 @@ void AddFinalize(CLI::App* app, FinalizeArgs& f) {
   app->add_option("--format", f.format, CliNames(v1::Format_descriptor()))
       ->check(Named(ParseFormat, CliNames(v1::Format_descriptor())))
       ->capture_default_str();
-  // 0 = the worker's default; the defaults live in ScaleOptions, the valid
-  // ranges in ScaleOptions::Validate (kernels/scale_math.cc): checked here
-  // too, so that a wrong value is a usage error before anything is sent.
-  const ScaleOptions d;
-  const auto worker_default = [](auto value) {
-    return absl::StrCat("the worker's default, ", value);
-  };
-  constexpr double kInf = std::numeric_limits<double>::infinity();
-  constexpr uint64_t kU32 = std::numeric_limits<uint32_t>::max();
-  app->add_option(
-         "--averaging-constant", f.averaging_constant,
-         absl::StrCat("minmax-ema constant (0 = ", d.averaging_constant, ")"))
-      ->check(cli::InRange(cli::RealRange{
-          0, 1, true, false, worker_default(d.averaging_constant)}));
-  app->add_option("--percentile", f.percentile,
-                  absl::StrCat("percentile p (0 = ", d.percentile, ")"))
-      ->check(cli::InRange(
-          cli::RealRange{0, 100, true, false, worker_default(d.percentile)}));
-  app->add_option("--margin", f.margin,
-                  absl::StrCat("multiplies every range (0 = ", d.margin, ")"))
-      ->check(cli::InRange(
-          cli::RealRange{0, kInf, true, true, worker_default(d.margin)}));
-  app->add_option("--mse-grid", f.mse_grid,
-                  absl::StrCat("MSE grid (0 = ", d.mse_grid, ")"))
-      ->check(cli::InRange(cli::IntRange{
-          0, kU32, absl::StrCat("0 = ", worker_default(d.mse_grid))}));
-  app->add_option("--mse-max-shrink", f.mse_max_shrink,
-                  absl::StrCat("MSE max shrink (0 = ", d.mse_max_shrink, ")"))
-      ->check(cli::InRange(
-          cli::RealRange{0, 1, true, true, worker_default(d.mse_max_shrink)}));
-  app->add_option("--mse-norm", f.mse_norm,
-                  absl::StrCat("MSE error norm (0 = ", d.mse_norm, ")"))
-      ->check(cli::InRange(
-          cli::RealRange{0, kInf, true, true, worker_default(d.mse_norm)}));
-  app->add_option("--mse-patience", f.mse_patience,
-                  "accepted for llm-compressor compatibility; the MSE search "
-                  "covers the whole grid")
-      ->check(cli::InRange(cli::IntRange{
-          0, kU32, absl::StrCat("0 = ", worker_default(d.mse_patience))}));
-  app->add_flag("--q-per-kv-group", f.q_per_kv_group,
-                "per head: reduce Q scales to one per KV group (max); not for "
-                "vLLM 0.34 checkpoints, which reduce q themselves");
-  app->add_flag(
-      "--allow-missing", f.allow_missing,
+  AddObserverNumbers(app, f.request);
+  AddRequestFlag(app, "--q-per-kv-group", f.request, &R::set_q_per_kv_group,
+                 "per head: reduce Q scales to one per KV group (max); not for "
+                 "vLLM 0.34 checkpoints, which reduce q themselves");
+  AddRequestFlag(
+      app, "--allow-missing", f.request, &R::set_allow_missing,
       "roles with heads that saw no data get no scale instead of an error");
 }
 
@@ -133,7 +162,7 @@ absl::StatusOr<CalibrationClient> Connect(const ConnectionArgs& c) {
 
 absl::StatusOr<v1::FinalizeRequest> MakeFinalizeRequest(
     const FinalizeArgs& f, const std::string& session) {
-  v1::FinalizeRequest r;
+  v1::FinalizeRequest r = f.request;
   r.set_session_id(session);
   KVCAL_ASSIGN_OR_RETURN(v1::Observer observer, ParseObserver(f.observer));
   KVCAL_ASSIGN_OR_RETURN(v1::Granularity granularity,
@@ -142,18 +171,6 @@ absl::StatusOr<v1::FinalizeRequest> MakeFinalizeRequest(
   r.set_observer(observer);
   r.set_granularity(granularity);
   r.set_format(format);
-  r.set_averaging_constant(f.averaging_constant);
-  r.set_percentile(f.percentile);
-  r.set_margin(f.margin);
-  r.set_mse_grid(f.mse_grid);
-  r.set_mse_max_shrink(f.mse_max_shrink);
-  r.set_mse_norm(f.mse_norm);
-  r.set_mse_patience(f.mse_patience);
-  r.set_q_per_kv_group(f.q_per_kv_group);
-  r.set_allow_missing(f.allow_missing);
-  r.set_evaluate(f.evaluate);
-  r.set_evaluate_kv_only(f.evaluate_kv_only);
-  r.set_auto_per_session(f.auto_per_session);
   return r;
 }
 
