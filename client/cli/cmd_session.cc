@@ -147,14 +147,28 @@ absl::StatusOr<CommandResult> RunFinalize(const Args& a) {
   return CommandResult{std::move(result)};
 }
 
-CLI::App* AddCreateCommand(CLI::App& app, Args& a) {
-  CLI::App* sub = app.add_subcommand(
-      "create",
-      "create a session with the geometry of a Hugging Face config.json");
+namespace {
+
+// A subcommand about one session (or, where --session may be left out, all
+// of them): the connection flags and --session, described by `session_help`.
+CLI::App* AddSessionCommand(CLI::App& app, Args& a, const std::string& name,
+                            const std::string& description,
+                            const std::string& session_help, bool required) {
+  CLI::App* sub = app.add_subcommand(name, description);
   AddConnection(sub, a.connection, &a.notices);
+  CLI::Option* session = sub->add_option("--session", a.session, session_help);
+  if (required) session->required();
+  return sub;
+}
+
+}  // namespace
+
+CLI::App* AddCreateCommand(CLI::App& app, Args& a) {
+  CLI::App* sub = AddSessionCommand(
+      app, a, "create",
+      "create a session with the geometry of a Hugging Face config.json",
+      "session id (default: the worker picks)", /*required=*/false);
   sub->add_option("--config", a.config, "MODEL_DIR/config.json")->required();
-  sub->add_option("--session", a.session,
-                  "session id (default: the worker picks)");
   sub->add_option("--histograms", a.histograms,
                   "histogram bins per octave (power of two 1..128; 0 = none)")
       ->check(HistogramBins())
@@ -175,10 +189,9 @@ CLI::App* AddCreateCommand(CLI::App& app, Args& a) {
 }
 
 CLI::App* AddPushCommand(CLI::App& app, Args& a) {
-  CLI::App* sub = app.add_subcommand(
-      "push", "stream an activation dump directory into a session");
-  AddConnection(sub, a.connection, &a.notices);
-  sub->add_option("--session", a.session, "session id")->required();
+  CLI::App* sub = AddSessionCommand(
+      app, a, "push", "stream an activation dump directory into a session",
+      "session id", /*required=*/true);
   sub->add_option("--producer", a.producer,
                   "producer name (one per data-parallel rank)")
       ->capture_default_str();
@@ -211,18 +224,16 @@ CLI::App* AddPushCommand(CLI::App& app, Args& a) {
 
 CLI::App* AddStatusCommand(CLI::App& app, Args& a) {
   CLI::App* sub =
-      app.add_subcommand("status", "show sessions and their counters");
-  AddConnection(sub, a.connection, &a.notices);
-  sub->add_option("--session", a.session, "one session (default: all)");
+      AddSessionCommand(app, a, "status", "show sessions and their counters",
+                        "one session (default: all)", /*required=*/false);
   AddJsonFlag(sub, a);
   return sub;
 }
 
 CLI::App* AddFinalizeCommand(CLI::App& app, Args& a) {
-  CLI::App* sub = app.add_subcommand(
-      "finalize", "compute scales and write them to a scales file");
-  AddConnection(sub, a.connection, &a.notices);
-  sub->add_option("--session", a.session, "session id")->required();
+  CLI::App* sub = AddSessionCommand(
+      app, a, "finalize", "compute scales and write them to a scales file",
+      "session id", /*required=*/true);
   AddFinalize(sub, a.finalize);
   sub->add_option("-o,--output", a.output, "scales.safetensors to write")
       ->required();
