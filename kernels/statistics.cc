@@ -183,27 +183,49 @@ absl::Status Corrupt(size_t at, absl::string_view what) {
       absl::StrCat("statistics state is corrupt at byte ", at, ": ", what));
 }
 
+// The state's geometry and each head's counts, extrema and sums: the fields
+// in the order the state stores them, with the names its errors use. The
+// writer and the reader walk the same lists, so the two cannot disagree.
+template <typename G, typename Visit>  // G: Geometry or const Geometry
+void GeometryFields(G& g, Visit&& visit) {
+  visit(g.num_layers, "num_layers");
+  visit(g.num_attention_heads, "num_attention_heads");
+  visit(g.num_key_value_heads, "num_key_value_heads");
+  visit(g.head_dim, "head_dim");
+  visit(g.bins_per_octave, "bins_per_octave");
+  visit(g.role_mask, "role_mask");
+}
+
+template <typename H, typename Visit>  // H: HeadStatistics, maybe const
+void HeadScalarFields(H& h, Visit&& visit) {
+  visit(h.min, "min");
+  visit(h.max, "max");
+  visit(h.finite_count, "finite count");
+  visit(h.nan_count, "nan count");
+  visit(h.inf_count, "inf count");
+  visit(h.sum, "sum");
+  visit(h.sum_squares, "sum of squares");
+}
+
+// A visitor for the lists above that reads each field into place, keeping
+// the first error in `status` (and reading nothing after it).
+auto FieldReader(Reader& r, absl::Status& status) {
+  return [&r, &status](auto& value, absl::string_view what) {
+    if (status.ok()) status = r.Get(&value, what);
+  };
+}
+
 }  // namespace
 
 std::string SessionStatistics::Serialize() const {
   Writer w;
   w.Put(kMagic);
   w.Put(kVersion);
-  w.Put(geometry_.num_layers);
-  w.Put(geometry_.num_attention_heads);
-  w.Put(geometry_.num_key_value_heads);
-  w.Put(geometry_.head_dim);
-  w.Put(geometry_.bins_per_octave);
-  w.Put(geometry_.role_mask);
+  const auto put = [&w](auto value, absl::string_view) { w.Put(value); };
+  GeometryFields(geometry_, put);
   const bool histograms = geometry_.has_histograms();
   for (const HeadStatistics& h : heads_) {
-    w.Put(h.min);
-    w.Put(h.max);
-    w.Put(h.finite_count);
-    w.Put(h.nan_count);
-    w.Put(h.inf_count);
-    w.Put(h.sum);
-    w.Put(h.sum_squares);
+    HeadScalarFields(h, put);
     if (histograms) {
       uint32_t used = 0;
       for (uint64_t c : h.histogram) used += c != 0;
@@ -249,12 +271,9 @@ absl::StatusOr<Geometry> ReadStateHeader(Reader& r, absl::string_view body,
         "statistics state checksum mismatch (corrupted or truncated)");
   }
   Geometry g;
-  KVCAL_RETURN_IF_ERROR(r.Get(&g.num_layers, "num_layers"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&g.num_attention_heads, "num_attention_heads"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&g.num_key_value_heads, "num_key_value_heads"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&g.head_dim, "head_dim"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&g.bins_per_octave, "bins_per_octave"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&g.role_mask, "role_mask"));
+  absl::Status status;
+  GeometryFields(g, FieldReader(r, status));
+  KVCAL_RETURN_IF_ERROR(status);
   if (absl::Status s = g.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("statistics state has invalid geometry: ", s.message()));
@@ -264,13 +283,9 @@ absl::StatusOr<Geometry> ReadStateHeader(Reader& r, absl::string_view body,
 
 // One head's counts, extrema and sums, checked against each other.
 absl::Status ReadHeadScalars(Reader& r, HeadStatistics& h) {
-  KVCAL_RETURN_IF_ERROR(r.Get(&h.min, "min"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&h.max, "max"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&h.finite_count, "finite count"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&h.nan_count, "nan count"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&h.inf_count, "inf count"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&h.sum, "sum"));
-  KVCAL_RETURN_IF_ERROR(r.Get(&h.sum_squares, "sum of squares"));
+  absl::Status status;
+  HeadScalarFields(h, FieldReader(r, status));
+  KVCAL_RETURN_IF_ERROR(status);
   // Sums of finite floats stay finite in double (|x|^2 < 2^256 per value),
   // and no sum of squares is negative; anything else was not written here.
   if (!std::isfinite(h.sum) || !std::isfinite(h.sum_squares) ||
