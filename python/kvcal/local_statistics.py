@@ -50,6 +50,7 @@ import numpy as np
 
 from kvcal import _args, names
 from kvcal.client import DEFAULT_HISTOGRAMS, Client, Geometry
+from kvcal.producer import wire_dtype
 from kvcal.v1 import pb
 
 log = logging.getLogger("kvcal")
@@ -126,16 +127,6 @@ def _layout_number(layout) -> int:
     if isinstance(key, bool) or key not in _LAYOUTS:
         raise ValueError(f"kvcal: layout {layout!r} is not tokens_heads_dim or heads_tokens_dim")
     return _LAYOUTS[key]
-
-
-def _numpy_dtype(dtype: np.dtype) -> int:
-    if dtype == np.float32:
-        return pb.DTYPE_F32
-    if dtype == np.float16:
-        return pb.DTYPE_F16
-    if dtype.name == "bfloat16":  # ml_dtypes
-        return pb.DTYPE_BF16
-    raise TypeError(f"kvcal: dtype {dtype} is not supported (float32, float16, bfloat16)")
 
 
 def _hf_as_vllm(shape: Tuple[int, ...], contiguous_after_swap: bool, layout: int):
@@ -249,7 +240,7 @@ class LocalStatistics:
                                head_offset)
 
     def _accumulate_numpy(self, layer, role, array, batch, layout, head_offset):
-        dtype = _numpy_dtype(array.dtype)
+        dtype = wire_dtype(array.dtype)
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
         shape = tuple(array.shape)
