@@ -134,10 +134,100 @@ absl::Status UpdateQuarkConfig(Json& quark) {
 }
 }  // namespace
 
+namespace {
+
+// compressed-tensors: a new quantization_config, or kv_cache_scheme added to
+// the model's own compressed-tensors one.
+absl::Status UpdateCompressedTensorsConfig(Json& config, Json* existing,
+                                           const std::string& method,
+                                           const CalibratedScales& scales) {
+  if (existing && method != "compressed-tensors") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "config.json already has a '", method,
+        "' quantization_config; compressed-tensors scales would not load "
+        "(try --target modelopt or quark)"));
+  }
+  if (!existing) {
+    config["quantization_config"] = {
+        {"quant_method", "compressed-tensors"},
+        {"config_groups", Json::object()},
+        {"ignore", Json::array()},
+        {"format", "dense"},
+        {"quantization_status", "compressed"},
+        {"kv_cache_scheme", KvCacheScheme(scales)}};
+  } else {
+    // vLLM passes the head counts the per-head loader needs only when
+    // config_groups exists (weight_utils.py get_quant_config).
+    if (!existing->contains("config_groups")) {
+      (*existing)["config_groups"] = Json::object();
+    }
+    (*existing)["kv_cache_scheme"] = KvCacheScheme(scales);
+  }
+  return absl::OkStatus();
+}
+
+// A flat ModelOpt MIXED_PRECISION config cannot declare an NVFP4 cache.
+absl::Status CheckFlatModelOptNvfp4(const Json& existing) {
+  const std::string algo =
+      existing.contains("quant_algo") && existing["quant_algo"].is_string()
+          ? existing["quant_algo"].get<std::string>()
+          : "";
+  if (absl::AsciiStrToUpper(algo) != "MIXED_PRECISION") {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(
+      "an NVFP4 KV cache cannot be declared in a flat MIXED_PRECISION "
+      "ModelOpt config: vLLM 0.34 makes a KV-cache algorithm of a "
+      "num_bits 8 kv_cache_scheme only (modelopt.py "
+      "ModelOptQuantConfigBase.from_config), and without one "
+      "ModelOptMixedPrecisionConfig.get_quant_method gives the "
+      "attention layers no KV-cache method, so the cache would be "
+      "nvfp4 with every scale dropped (1.0); patch for fp8, or export "
+      "the model with ModelOpt's NVFP4 KV cache");
+}
+
+// ModelOpt: the model's own config, nested or flat, declares the cache.
+absl::Status UpdateModelOptConfig(Json* existing, const std::string& method,
+                                  bool nvfp4, const CalibratedScales& scales,
+                                  const fs::path& checkpoint_dir) {
+  if (method != "modelopt") {
+    std::error_code ec;
+    const bool legacy =
+        !existing && fs::exists(checkpoint_dir / "hf_quant_config.json", ec);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--target modelopt needs a model already quantized with ModelOpt "
+        "(quantization_config.quant_method \"modelopt\" in config.json)",
+        legacy ? "; this checkpoint keeps its ModelOpt config in "
+                 "hf_quant_config.json (ModelOpt <= 0.29), which kvcal "
+                 "does not patch: export it again with a current ModelOpt"
+               : ""));
+  }
+  if (existing->contains("quantization") &&
+      (*existing)["quantization"].is_object()) {
+    // Nested form: ModelOptQuantConfigBase.from_config reads
+    // quantization.kv_cache_quant_algo, and the dtype resolver maps
+    // "FP8" / "NVFP4" to an fp8_e4m3 / nvfp4 cache
+    // (MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP).
+    (*existing)["quantization"]["kv_cache_quant_algo"] =
+        nvfp4 ? "NVFP4" : "FP8";
+    return absl::OkStatus();
+  }
+  // Flat config.json form: the dtype resolver reads kv_cache_scheme
+  // (num_bits 8: fp8_e4m3; num_bits 4: nvfp4); from_config makes a
+  // KV-cache algorithm of num_bits 8 only. Every ModelOpt config but
+  // MIXED_PRECISION gives the attention layers their KV-cache method
+  // anyway (ModelOptQuantConfigBase.get_quant_method).
+  if (nvfp4) KVCAL_RETURN_IF_ERROR(CheckFlatModelOptNvfp4(*existing));
+  (*existing)["kv_cache_scheme"] =
+      nvfp4 ? Nvfp4KvCacheScheme(scales) : KvCacheScheme(scales);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status UpdateConfig(Json& config, PatchTarget target,
                           PatchKvCache kv_cache, const CalibratedScales& scales,
                           const fs::path& checkpoint_dir) {
-  const bool nvfp4 = kv_cache == PatchKvCache::kNvfp4;
   Json* existing = nullptr;
   if (config.contains("quantization_config") &&
       config["quantization_config"].is_object()) {
@@ -149,82 +239,12 @@ absl::Status UpdateConfig(Json& config, PatchTarget target,
           ? (*existing)["quant_method"].get<std::string>()
           : "";
   switch (target) {
-    case PatchTarget::kCompressedTensors: {
-      if (existing && method != "compressed-tensors") {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "config.json already has a '", method,
-            "' quantization_config; compressed-tensors scales would not load "
-            "(try --target modelopt or quark)"));
-      }
-      if (!existing) {
-        config["quantization_config"] = {
-            {"quant_method", "compressed-tensors"},
-            {"config_groups", Json::object()},
-            {"ignore", Json::array()},
-            {"format", "dense"},
-            {"quantization_status", "compressed"},
-            {"kv_cache_scheme", KvCacheScheme(scales)}};
-      } else {
-        // vLLM passes the head counts the per-head loader needs only when
-        // config_groups exists (weight_utils.py get_quant_config).
-        if (!existing->contains("config_groups")) {
-          (*existing)["config_groups"] = Json::object();
-        }
-        (*existing)["kv_cache_scheme"] = KvCacheScheme(scales);
-      }
-      return absl::OkStatus();
-    }
-    case PatchTarget::kModelOpt: {
-      if (method != "modelopt") {
-        std::error_code ec;
-        const bool legacy =
-            !existing &&
-            fs::exists(checkpoint_dir / "hf_quant_config.json", ec);
-        return absl::FailedPreconditionError(absl::StrCat(
-            "--target modelopt needs a model already quantized with ModelOpt "
-            "(quantization_config.quant_method \"modelopt\" in config.json)",
-            legacy ? "; this checkpoint keeps its ModelOpt config in "
-                     "hf_quant_config.json (ModelOpt <= 0.29), which kvcal "
-                     "does not patch: export it again with a current ModelOpt"
-                   : ""));
-      }
-      if (existing->contains("quantization") &&
-          (*existing)["quantization"].is_object()) {
-        // Nested form: ModelOptQuantConfigBase.from_config reads
-        // quantization.kv_cache_quant_algo, and the dtype resolver maps
-        // "FP8" / "NVFP4" to an fp8_e4m3 / nvfp4 cache
-        // (MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP).
-        (*existing)["quantization"]["kv_cache_quant_algo"] =
-            nvfp4 ? "NVFP4" : "FP8";
-        return absl::OkStatus();
-      }
-      // Flat config.json form: the dtype resolver reads kv_cache_scheme
-      // (num_bits 8: fp8_e4m3; num_bits 4: nvfp4); from_config makes a
-      // KV-cache algorithm of num_bits 8 only. Every ModelOpt config but
-      // MIXED_PRECISION gives the attention layers their KV-cache method
-      // anyway (ModelOptQuantConfigBase.get_quant_method).
-      if (nvfp4) {
-        const std::string algo =
-            (*existing).contains("quant_algo") &&
-                    (*existing)["quant_algo"].is_string()
-                ? (*existing)["quant_algo"].get<std::string>()
-                : "";
-        if (absl::AsciiStrToUpper(algo) == "MIXED_PRECISION") {
-          return absl::FailedPreconditionError(
-              "an NVFP4 KV cache cannot be declared in a flat MIXED_PRECISION "
-              "ModelOpt config: vLLM 0.34 makes a KV-cache algorithm of a "
-              "num_bits 8 kv_cache_scheme only (modelopt.py "
-              "ModelOptQuantConfigBase.from_config), and without one "
-              "ModelOptMixedPrecisionConfig.get_quant_method gives the "
-              "attention layers no KV-cache method, so the cache would be "
-              "nvfp4 with every scale dropped (1.0); patch for fp8, or export "
-              "the model with ModelOpt's NVFP4 KV cache");
-        }
-      }
-      (*existing)["kv_cache_scheme"] =
-          nvfp4 ? Nvfp4KvCacheScheme(scales) : KvCacheScheme(scales);
-      return absl::OkStatus();
-    }
+    case PatchTarget::kCompressedTensors:
+      return UpdateCompressedTensorsConfig(config, existing, method, scales);
+    case PatchTarget::kModelOpt:
+      return UpdateModelOptConfig(existing, method,
+                                  kv_cache == PatchKvCache::kNvfp4, scales,
+                                  checkpoint_dir);
     case PatchTarget::kQuark:
       if (method != "quark") {
         return absl::FailedPreconditionError(
@@ -236,45 +256,49 @@ absl::Status UpdateConfig(Json& config, PatchTarget target,
   return absl::OkStatus();
 }
 
-// What vLLM 0.34 can load at all, checked before anything is written.
-absl::Status CheckScalesForVllm(const CalibratedScales& scales,
-                                const ModelGeometry& g, PatchTarget target,
-                                PatchKvCache kv_cache) {
-  if (kv_cache == PatchKvCache::kNvfp4) {
-    if (target == PatchTarget::kCompressedTensors) {
-      return absl::InvalidArgumentError(
-          "--target compressed-tensors cannot declare an NVFP4 KV cache: "
-          "vLLM 0.34 accepts only a kv_cache_scheme of type float, num_bits 8 "
-          "and stops with NotImplementedError on num_bits 4 "
-          "(compressed_tensors.py "
-          "CompressedTensorsKVCacheMethod.validate_kv_cache_scheme), and "
-          "reads the cache dtype from ModelOpt configs only "
-          "(utils/torch_utils.py get_kv_cache_quant_algo_string); use "
-          "--target modelopt on a ModelOpt model, or patch for fp8 and start "
-          "vLLM with --kv-cache-dtype nvfp4 (check it with `kvcal inspect "
-          "--kv-cache-dtype nvfp4`)");
-    }
-    if (target == PatchTarget::kQuark) {
-      return absl::InvalidArgumentError(
-          "--target quark cannot declare an NVFP4 KV cache: vLLM 0.34 "
-          "accepts only an fp8_e4m3 KV cache in a Quark config "
-          "(quark/quark.py QuarkKVCacheMethod.validate_kv_cache_config) and "
-          "never takes the cache dtype from one (utils/torch_utils.py "
-          "get_kv_cache_quant_algo_string reads ModelOpt configs only); "
-          "patch for fp8 and start vLLM with --kv-cache-dtype nvfp4 (check "
-          "it with `kvcal inspect --kv-cache-dtype nvfp4`)");
-    }
-    if (scales.granularity != Granularity::kPerTensor) {
-      return absl::InvalidArgumentError(
-          "an NVFP4 KV cache takes per-tensor scales only: its global scale "
-          "is one scalar per layer and side (1 / k_scale, 1 / v_scale), "
-          "which vLLM 0.34's NVFP4 store kernels read "
-          "(csrc/nvfp4_kv_cache_kernels.cu; FlashInfer's nvfp4 append), and "
-          "the ModelOpt loader accepts scalars only (quantization/kv_cache.py "
-          "KVCacheScaleParameter.weight_loader); finalize with "
-          "--granularity tensor");
-    }
+namespace {
+
+// NVFP4: ModelOpt only, per-tensor scales only.
+absl::Status CheckNvfp4Target(const CalibratedScales& scales,
+                              PatchTarget target) {
+  if (target == PatchTarget::kCompressedTensors) {
+    return absl::InvalidArgumentError(
+        "--target compressed-tensors cannot declare an NVFP4 KV cache: "
+        "vLLM 0.34 accepts only a kv_cache_scheme of type float, num_bits 8 "
+        "and stops with NotImplementedError on num_bits 4 "
+        "(compressed_tensors.py "
+        "CompressedTensorsKVCacheMethod.validate_kv_cache_scheme), and "
+        "reads the cache dtype from ModelOpt configs only "
+        "(utils/torch_utils.py get_kv_cache_quant_algo_string); use "
+        "--target modelopt on a ModelOpt model, or patch for fp8 and start "
+        "vLLM with --kv-cache-dtype nvfp4 (check it with `kvcal inspect "
+        "--kv-cache-dtype nvfp4`)");
   }
+  if (target == PatchTarget::kQuark) {
+    return absl::InvalidArgumentError(
+        "--target quark cannot declare an NVFP4 KV cache: vLLM 0.34 "
+        "accepts only an fp8_e4m3 KV cache in a Quark config "
+        "(quark/quark.py QuarkKVCacheMethod.validate_kv_cache_config) and "
+        "never takes the cache dtype from one (utils/torch_utils.py "
+        "get_kv_cache_quant_algo_string reads ModelOpt configs only); "
+        "patch for fp8 and start vLLM with --kv-cache-dtype nvfp4 (check "
+        "it with `kvcal inspect --kv-cache-dtype nvfp4`)");
+  }
+  if (scales.granularity != Granularity::kPerTensor) {
+    return absl::InvalidArgumentError(
+        "an NVFP4 KV cache takes per-tensor scales only: its global scale "
+        "is one scalar per layer and side (1 / k_scale, 1 / v_scale), "
+        "which vLLM 0.34's NVFP4 store kernels read "
+        "(csrc/nvfp4_kv_cache_kernels.cu; FlashInfer's nvfp4 append), and "
+        "the ModelOpt loader accepts scalars only (quantization/kv_cache.py "
+        "KVCacheScaleParameter.weight_loader); finalize with "
+        "--granularity tensor");
+  }
+  return absl::OkStatus();
+}
+
+// The scales' number format: vLLM 0.34 loads float8_e4m3fn scales only.
+absl::Status CheckScalesFormat(const CalibratedScales& scales) {
   auto format = scales.metadata.find("format");
   const std::string fmt =
       format == scales.metadata.end() ? "float8_e4m3fn" : format->second;
@@ -305,13 +329,12 @@ absl::Status CheckScalesForVllm(const CalibratedScales& scales,
         absl::StrCat("the scales file names format '", fmt,
                      "'; vLLM 0.34 loads float8_e4m3fn scales"));
   }
-  if (target != PatchTarget::kCompressedTensors &&
-      scales.granularity != Granularity::kPerTensor) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--target ", PatchTargetName(target),
-        " accepts only per-tensor scales (vLLM 0.34 loads them as scalars); "
-        "finalize with --granularity tensor"));
-  }
+  return absl::OkStatus();
+}
+
+// Every layer in the model, and per-head scales one per head.
+absl::Status CheckScalesGeometry(const CalibratedScales& scales,
+                                 const ModelGeometry& g) {
   for (const auto& [layer, roles] : scales.layers) {
     if (layer >= g.num_layers) {
       return absl::InvalidArgumentError(
@@ -340,6 +363,26 @@ absl::Status CheckScalesForVllm(const CalibratedScales& scales,
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+// What vLLM 0.34 can load at all, checked before anything is written.
+absl::Status CheckScalesForVllm(const CalibratedScales& scales,
+                                const ModelGeometry& g, PatchTarget target,
+                                PatchKvCache kv_cache) {
+  if (kv_cache == PatchKvCache::kNvfp4) {
+    KVCAL_RETURN_IF_ERROR(CheckNvfp4Target(scales, target));
+  }
+  KVCAL_RETURN_IF_ERROR(CheckScalesFormat(scales));
+  if (target != PatchTarget::kCompressedTensors &&
+      scales.granularity != Granularity::kPerTensor) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--target ", PatchTargetName(target),
+        " accepts only per-tensor scales (vLLM 0.34 loads them as scalars); "
+        "finalize with --granularity tensor"));
+  }
+  return CheckScalesGeometry(scales, g);
 }
 
 // Runs vLLM 0.34's loader rules (vllm_rules.h) on what the patched
