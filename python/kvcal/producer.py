@@ -57,6 +57,13 @@ go in-band; `producer.shared_memory` says which. A chunk larger than a slot
 (a held-out sequence) goes in-band. After a reconnect the region is
 registered again (a restarted worker has never heard of it).
 
+Local statistics (local_statistics=True, flush_batches=N; kvcal/local_producer.py,
+docs/local-statistics.md): batches that are not held out are accumulated in
+this process by a kvcal.LocalStatistics instead of being sent; every N
+batches, at flush() and at close() the state is merged into the session
+with ImportState under an import id of its own (retried with the same id,
+so applied once) and started afresh. Held-out chunks still go as chunks.
+
 Tensors: numpy arrays (float32, float16, ml_dtypes.bfloat16) and torch
 tensors (float32, float16, bfloat16; CPU or CUDA). bf16 goes on the wire as
 bf16. A CUDA tensor is copied to pinned host memory with a non-blocking copy
@@ -108,10 +115,12 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusC
 
 def _check_options(chunk_bytes=4 << 20, max_pending_chunks=1024, max_pending_bytes=512 << 20,
                    window=DEFAULT_WINDOW, start_sequence=None, reconnect_timeout=120.0,
-                   durable_timeout=120.0, **_):
+                   durable_timeout=120.0, flush_batches=None, **_):
     """The numeric arguments of Producer, checked before it connects, with
     the CLI's ranges for chunk_bytes and window (push --chunk-bytes,
     --window): a ValueError naming the argument and what is valid."""
+    if flush_batches is not None:
+        _args.check_int("Producer", "flush_batches", flush_batches, _args.IntRange(1, None))
     _args.check_int("Producer", "chunk_bytes", chunk_bytes, _args.CHUNK_BYTES)
     _args.check_int("Producer", "window", window, _args.WINDOW)
     _args.check_int("Producer", "max_pending_chunks", max_pending_chunks, _args.IntRange(1, None))
@@ -407,11 +416,17 @@ class _ProducerBase:
         return self._batch
 
     def new_batch(self) -> int:
-        """Starts the next calibration batch (0, 1, 2, ...) and returns it."""
+        """Starts the next calibration batch (0, 1, 2, ...) and returns it.
+        In local-statistics mode a local state that holds flush_batches
+        batches is flushed here."""
         if self._batches_started:
             self._batch += 1
         self._batches_started = True
+        self._batch_started(self._batch)
         return self._batch
+
+    def _batch_started(self, batch: int) -> None:
+        """new_batch() hook of local-statistics mode."""
 
 
 class WorkerProducer(_ProducerBase):
@@ -425,11 +440,12 @@ class WorkerProducer(_ProducerBase):
                  keep_until_durable: Optional[bool] = None, start_sequence: Optional[int] = None,
                  resume: bool = False,
                  reconnect_timeout: float = 120.0, durable_timeout: float = 120.0,
-                 shared_memory: bool = False):
+                 shared_memory: bool = False, local_statistics: bool = False,
+                 flush_batches: Optional[int] = None):
         _check_options(chunk_bytes=chunk_bytes, max_pending_chunks=max_pending_chunks,
                        max_pending_bytes=max_pending_bytes, window=window,
                        start_sequence=start_sequence, reconnect_timeout=reconnect_timeout,
-                       durable_timeout=durable_timeout)
+                       durable_timeout=durable_timeout, flush_batches=flush_batches)
         workers = getattr(client, "workers", None)
         if workers is not None:
             raise ValueError(f"kvcal: a WorkerProducer streams to one worker and this client has "
@@ -493,14 +509,35 @@ class WorkerProducer(_ProducerBase):
             start_sequence = applied + 1
         self._next_sequence = int(start_sequence)
         self._acked = self._durable = self._next_sequence - 1
+        # local_statistics=True: batches (not held out) go to this instead of
+        # being sent (kvcal/local_producer.py).
+        self._local = self._make_local(local_statistics, flush_batches)
         self._thread = threading.Thread(target=self._run, name=f"kvcal-producer-{self.producer_id}",
                                         daemon=True)
         self._thread.start()
+
+    def _make_local(self, local_statistics: bool, flush_batches: Optional[int]):
+        if not local_statistics:
+            if flush_batches is not None:
+                raise ValueError("kvcal: Producer: flush_batches is for local_statistics=True")
+            return None
+        from kvcal.local_producer import DEFAULT_FLUSH_BATCHES, LocalFlushes
+
+        return LocalFlushes(
+            self.client, self.session_id, self.producer_id,
+            flush_batches=DEFAULT_FLUSH_BATCHES if flush_batches is None else flush_batches,
+            retry_timeout=self.reconnect_timeout)
 
     # -- producer side ---------------------------------------------------------
     @property
     def last_sequence(self) -> int:
         return self._next_sequence - 1
+
+    @property
+    def local_statistics(self) -> bool:
+        """Batches are accumulated here and shipped as statistics
+        (local_statistics=True)."""
+        return self._local is not None
 
     @property
     def shared_memory(self) -> bool:
@@ -535,6 +572,9 @@ class WorkerProducer(_ProducerBase):
             self._batches_started = True
             batch = self._batch
         batch = _args.check_int("put", "batch", batch, _args.IntRange(0, (1 << 64) - 1))
+        if self._local is not None and not holdout:
+            self._put_local(layer, layout, role, tensor, batch, head_offset)
+            return
         payload, dtype, shape = _payload_of(tensor)
         if layout == pb.LAYOUT_HEADS_TOKENS_DIM and len(shape) != 4:
             raise ValueError(f"kvcal: layout heads_tokens_dim needs [batch, heads, tokens, head_dim], "
@@ -555,9 +595,30 @@ class WorkerProducer(_ProducerBase):
                 self._held_bytes += chunk.nbytes
                 self._cv.notify_all()  # the sender: new data
 
+    def _put_local(self, layer, layout, role, tensor, batch, head_offset) -> None:
+        """put() in local-statistics mode: into the local state (flushed
+        first when it holds flush_batches other batches)."""
+        with self._cv:
+            self._raise_if_failed_locked()
+            if self._closing:
+                raise ProducerError("kvcal: put() after close()")
+        self._local.accumulate(layer, role, tensor, batch=batch, layout=layout,
+                               head_offset=head_offset)
+
+    def _batch_started(self, batch: int) -> None:
+        if self._local is not None:
+            self._local.batch_started(batch)
+
+    def _flush_local(self) -> None:
+        if self._local is not None:
+            self._local.flush()
+
     def flush(self, durable: Optional[bool] = None, timeout: Optional[float] = None) -> None:
         """Waits until every chunk put so far is applied; with durable=True
-        (default: when chunks are kept until durable) until it is on disk."""
+        (default: when chunks are kept until durable) until it is on disk.
+        In local-statistics mode it first merges the local state into the
+        session (ImportState; durability of that is not waited for)."""
+        self._flush_local()
         last = self.last_sequence
         deadline = None if timeout is None else time.monotonic() + timeout
         durable_deadline = None  # set once everything is acknowledged
@@ -610,7 +671,7 @@ class WorkerProducer(_ProducerBase):
         if the producer failed."""
         try:
             if self._thread.is_alive():
-                self.flush(timeout=None)
+                self.flush(timeout=None)  # the local state first, then the chunks
         finally:
             with self._cv:
                 self._closing = True
@@ -628,15 +689,25 @@ class WorkerProducer(_ProducerBase):
             if self._error is None:
                 self._error = ProducerError(why)
             self._cv.notify_all()
+        if self._local is not None:
+            self._local.discard(why)
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self._close_ring()
 
     def stats(self) -> dict:
+        """Counters; in local-statistics mode also local_flushes (flushes
+        the worker applied), local_flush_bytes (their ImportStateRequest
+        bytes) and local_import_retries."""
         with self._cv:
-            return {"last_sequence": self.last_sequence, "acknowledged": self._acked,
-                    "durable": self._durable, "pending_chunks": len(self._chunks),
-                    "pending_bytes": self._held_bytes, "reconnects": self.reconnects}
+            out = {"last_sequence": self.last_sequence, "acknowledged": self._acked,
+                   "durable": self._durable, "pending_chunks": len(self._chunks),
+                   "pending_bytes": self._held_bytes, "reconnects": self.reconnects}
+        if self._local is not None:
+            out.update(local_flushes=self._local.flushes,
+                       local_flush_bytes=self._local.flush_bytes,
+                       local_import_retries=self._local.import_retries)
+        return out
 
     # -- internals (self._cv held where the name says _locked) ---------------------
     def _want_durable(self) -> bool:
@@ -973,7 +1044,9 @@ class ShardedProducer(_ProducerBase):
     WorkerProducer per worker (`producers`, in the order of client.workers),
     each layer's chunks to the worker that holds it (numbered per worker, as
     the C++ client does). Batches and held-out flags are the
-    ShardedProducer's; counters and errors are the sum of its producers'."""
+    ShardedProducer's; counters and errors are the sum of its producers'.
+    With local_statistics=True each WorkerProducer keeps a local state of
+    its worker's layers only and imports it into that worker alone."""
 
     def __init__(self, client: Client, session_id: Optional[str] = None, producer_id: str = "",
                  **options):
@@ -1015,6 +1088,14 @@ class ShardedProducer(_ProducerBase):
     @property
     def shared_memory(self) -> bool:
         return all(p.shared_memory for p in self.producers)
+
+    @property
+    def local_statistics(self) -> bool:
+        return self.producers[0].local_statistics
+
+    def _batch_started(self, batch: int) -> None:
+        for p in self.producers:  # each worker's local state (its layers')
+            p._batch_started(batch)
 
     @property
     def shared_memory_fallback(self) -> Optional[str]:
@@ -1083,8 +1164,17 @@ def Producer(client: Client, session_id: Optional[str] = None, producer_id: str 
     producer_id: "default" by default; options: WorkerProducer's keyword
     arguments (chunk_bytes, max_pending_chunks, max_pending_bytes, window,
     keep_until_durable, start_sequence, resume, reconnect_timeout,
-    durable_timeout, shared_memory). Both types have the same methods: put,
-    new_batch, flush, close, stats, and use as a context manager."""
+    durable_timeout, shared_memory, local_statistics, flush_batches). Both
+    types have the same methods: put, new_batch, flush, close, stats, and
+    use as a context manager.
+
+    local_statistics=True (docs/local-statistics.md): batches that are not
+    held out are accumulated in this process (kvcal.LocalStatistics, the
+    worker's engine) instead of being sent; every flush_batches batches
+    (default 64), at flush() and at close() the state is merged into the
+    session with ImportState under an import id of its own (a retried flush
+    is applied once) and the local state starts afresh. Held-out chunks are
+    sent as chunks as always. Needs the extension kvcal._engine."""
     if getattr(client, "workers", None) is not None:
         return ShardedProducer(client, session_id, producer_id, **options)
     return WorkerProducer(client, session_id, producer_id, **options)

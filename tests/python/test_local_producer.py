@@ -1,0 +1,259 @@
+"""kvcal.Producer(..., local_statistics=True): batches accumulated in the
+producer's process and merged into the session with ImportState every
+flush_batches batches, against the same batches sent as chunks.
+
+- Two producers interleaving their batches (one numbering them with
+  new_batch(), one passing batch= out of order; heavy tails, outlier heads
+  and channels, NaN/Inf, bf16 and f32, both layouts, a held-out batch) into
+  one session in-band and into another with local_statistics=True,
+  flush_batches=2 (three flushes each): every finalized scale and absmax is
+  bit-identical for static_minmax, minmax, memoryless_minmax, mse and
+  percentile, per tensor and per head; the counters the observers do not
+  read (values, bytes, non-finite) are equal too; the held-out batch arrived
+  as chunks in both.
+- A flush whose ImportState was applied but whose answer was lost is sent
+  again with the same import id and applied once.
+- Two workers: each worker's local state holds only its own layers; the
+  scales equal one in-band worker's.
+- kvcal.torch.capture on a tiny Llama gives the same scales through a
+  local-statistics producer as through an in-band one.
+"""
+import numpy as np
+import pytest
+
+import kvcal
+from kvcal.client import KvcalError
+
+torch = pytest.importorskip("torch")
+
+from test_local_statistics import exact_bits, parse_statistics  # noqa: E402
+
+GEOMETRY = dict(num_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+HEADS = {"q": 8, "k": 2, "v": 2}
+OBSERVERS = ["static_minmax", "minmax", "memoryless_minmax", "mse", "percentile"]
+
+
+def make_batch(rng, batch, tokens):
+    """[(layer, role, tensor, layout)] of one batch: Student-t values, an
+    outlier head and channel per layer, NaN/Inf in k of even batches; odd
+    batches bf16 in heads_tokens_dim [1, heads, tokens, dim], even ones f32
+    in tokens_heads_dim [tokens, heads, dim]."""
+    out = []
+    for layer in range(GEOMETRY["num_layers"]):
+        for role, heads in HEADS.items():
+            x = rng.standard_t(2, (tokens, heads, GEOMETRY["head_dim"])).astype(np.float32)
+            x *= 0.5 + layer + 0.3 * batch
+            x[:, (layer + batch) % heads, :] *= 20.0
+            x[:, :, (3 * layer) % GEOMETRY["head_dim"]] *= 8.0
+            if role == "k" and batch % 2 == 0:
+                x[0, 0, 0] = np.nan
+                x[1, heads - 1, 2] = np.inf
+            t = torch.from_numpy(x)
+            if batch % 2:
+                out.append((layer, role, t.to(torch.bfloat16).transpose(0, 1).unsqueeze(0),
+                            "heads_tokens_dim"))
+            else:
+                out.append((layer, role, t, "tokens_heads_dim"))
+    return out
+
+
+def batches(seed, n):
+    rng = np.random.default_rng(seed)
+    return [make_batch(rng, b, 23 + 4 * b) for b in range(n)]
+
+
+def holdout_batch(seed):
+    rng = np.random.default_rng(seed)
+    return [(layer, role, torch.from_numpy(
+        rng.standard_normal((1, heads, 9, GEOMETRY["head_dim"])).astype(np.float32)))
+        for layer in range(GEOMETRY["num_layers"]) for role, heads in HEADS.items()]
+
+
+def feed(client, **options):
+    """Producer a numbers its 6 batches with new_batch(); producer b passes
+    batch= for its 6 in the order 1, 3, 5, 0, 2, 4; their puts interleave.
+    Then one held-out batch from a. Returns both producers' stats()."""
+    a_data, b_data = batches(1, 6), batches(2, 6)
+    b_order = [1, 3, 5, 0, 2, 4]
+    with kvcal.Producer(client, producer_id="a", **options) as pa, \
+            kvcal.Producer(client, producer_id="b", chunk_bytes=2048, **options) as pb_:
+        for i in range(6):
+            pa.new_batch()
+            for (la, ra, ta, ya), (lb, rb, tb, yb) in zip(a_data[i], b_data[b_order[i]]):
+                pa.put(la, ra, ta, layout=ya)
+                pb_.put(lb, rb, tb, batch=b_order[i], layout=yb)
+        pa.holdout = True
+        for layer, role, t in holdout_batch(3):
+            pa.put(layer, role, t)
+    return pa.stats(), pb_.stats()
+
+
+def all_scales(client, session_id=None):
+    return {(observer, granularity): exact_bits(client.finalize_response(
+        session_id, observer=observer, granularity=granularity))
+        for observer in OBSERVERS for granularity in ("tensor", "head")}
+
+
+@pytest.fixture
+def two_sessions(worker):
+    wired, local = kvcal.Client(worker.target), kvcal.Client(worker.target)
+    for c in (wired, local):
+        c.create_session(geometry=GEOMETRY, holdout_budget_bytes=1 << 20)
+    yield wired, local
+    wired.delete()
+    local.delete()
+
+
+def test_local_statistics_producer_equals_in_band(two_sessions):
+    wired, local = two_sessions
+    in_band = feed(wired)
+    assert all("local_flushes" not in s for s in in_band)  # off by default
+    stats = feed(local, local_statistics=True, flush_batches=2)
+    # 6 batches, 2 per flush: 3 flushes each, nothing left for close().
+    assert [s["local_flushes"] for s in stats] == [3, 3]
+    assert all(s["local_flush_bytes"] > 0 for s in stats)
+    # Only the held-out batch went as chunks (9 tensors, 9 chunks).
+    assert [s["last_sequence"] for s in stats] == [9, 0]
+
+    got, want = local.status(), wired.status()
+    assert got.values_ingested == want.values_ingested > 0
+    assert got.bytes_ingested == want.bytes_ingested
+    assert got.nonfinite_values == want.nonfinite_values > 0
+    assert got.holdout_chunks == want.holdout_chunks == 9
+    assert got.holdout_bytes == want.holdout_bytes > 0
+
+    mine, theirs = all_scales(local), all_scales(wired)
+    assert len(mine) == 10
+    for key in theirs:
+        assert mine[key] == theirs[key], key
+    # Every (layer, role) of every observer and granularity compared.
+    assert sum(len(v[0]) for s in theirs.values() for v in s.values()) == \
+        5 * (3 * 3 + 3 * (8 + 2 + 2))
+    # The batches the EMA and memoryless observers read: one per batch.
+    heads = parse_statistics(local.export_state().statistics)
+    assert all(len(h[9]) == 6 * 3 for h in heads)
+
+
+def test_flush_batches_needs_local_statistics(worker):
+    client = kvcal.Client(worker.target)
+    client.create_session(geometry=GEOMETRY)
+    with pytest.raises(ValueError, match="flush_batches is for local_statistics=True"):
+        kvcal.Producer(client, flush_batches=2)
+    with pytest.raises(ValueError, match="flush_batches"):
+        kvcal.Producer(client, local_statistics=True, flush_batches=0)
+    with kvcal.Producer(client, producer_id="off") as off:
+        assert off.local_statistics is False
+    # Bad input is refused at put() with the worker's words; nothing counted.
+    with kvcal.Producer(client, local_statistics=True) as producer:
+        with pytest.raises(ValueError, match="head_dim"):
+            producer.put(0, "k", np.zeros((4, 2, 8), np.float32), layout="tokens_heads_dim")
+    assert producer.stats()["local_flushes"] == 0
+    assert client.status().values_ingested == 0
+    client.delete()
+
+
+class _LostAnswer(Exception):
+    """What a grpc.RpcError offers KvcalError."""
+
+    def code(self):
+        import grpc
+
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the answer was lost (test)"
+
+
+def test_a_retried_flush_is_applied_once(two_sessions):
+    """The first ImportState of each producer reaches the worker but its
+    answer is lost: the producer sends the same flush again, with the same
+    import id, and the worker applies it once. Importing a flush's state
+    again by hand under its id changes nothing either."""
+    wired, local = two_sessions
+    feed(wired)
+    real_call = local._call
+    lost = []
+
+    def flaky(what, method, request, timeout=None):
+        answer = real_call(what, method, request, timeout)
+        if what.startswith("ImportState") and request.import_id.endswith("/1"):
+            if request.import_id not in lost:
+                lost.append(request.import_id)
+                raise KvcalError(what, _LostAnswer())
+        return answer
+
+    local._call = flaky
+    stats = feed(local, local_statistics=True, flush_batches=2)
+    assert len(lost) == 2 and [s["local_import_retries"] for s in stats] == [1, 1]
+    assert local.status().values_ingested == wired.status().values_ingested
+    assert all_scales(local) == all_scales(wired)
+
+    # The same id again, with a state that would change the session: ignored.
+    extra = kvcal.LocalStatistics.for_session(local)
+    extra.accumulate(0, "k", np.full((5, 2, 16), 1e4, np.float32), batch=0)
+    before = local.status().values_ingested
+    local.import_state(extra.export_state(), import_id=lost[0])
+    assert local.status().values_ingested == before
+
+
+def test_sharded_local_statistics(make_worker):
+    """Two workers: each producer's local state holds its worker's layers
+    only (the others' heads are empty in what it imports); the scales equal
+    one worker's fed in-band."""
+    one = kvcal.Client(make_worker().target)
+    one.create_session(geometry=GEOMETRY, session_id="ref")
+    feed_plain(one)
+    ws = [make_worker(extra_args=["--worker-id", n]) for n in ("a", "b")]
+    client = kvcal.Client([w.target for w in ws])
+    session = client.create_session(geometry=GEOMETRY, session_id="sharded")
+    owners = list(session.shard_map.layer_owners)
+    assert sorted(set(owners)) == [0, 1], owners  # both workers own a layer
+    stats = feed_plain(client, local_statistics=True, flush_batches=2)
+    assert stats["local_flushes"] == 2 * 2  # 4 batches: 2 flushes per worker
+    per_head = 8 + 2 + 2
+    for i, w in enumerate(client.workers):
+        heads = parse_statistics(w.export_state("sharded").statistics)
+        for layer in range(GEOMETRY["num_layers"]):
+            finite = sum(h[2] for h in heads[layer * per_head:(layer + 1) * per_head])
+            assert (finite > 0) == (owners[layer] == i), (i, layer, finite)
+    for observer in OBSERVERS:
+        for granularity in ("tensor", "head"):
+            want = exact_bits(one.finalize_response("ref", observer=observer,
+                                                    granularity=granularity))
+            got = exact_bits(client.finalize_response("sharded", observer=observer,
+                                                      granularity=granularity))
+            assert got == want, (observer, granularity)
+
+
+def feed_plain(client, **options):
+    with kvcal.Producer(client, producer_id="p", **options) as producer:
+        for batch in batches(5, 4):
+            producer.new_batch()
+            for layer, role, t, layout in batch:
+                producer.put(layer, role, t, layout=layout)
+    return producer.stats()
+
+
+def test_capture_through_a_local_statistics_producer(worker):
+    import kvcal.torch
+    from tiny_llama import tiny_llama
+
+    model = tiny_llama(num_kv_heads=2)
+    g = torch.Generator().manual_seed(7)
+    inputs = [torch.randint(0, 128, (2, 9), generator=g) for _ in range(5)]
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding in one forward: the masked tokens are dropped
+    results = []
+    for options in ({}, {"local_statistics": True, "flush_batches": 2}):
+        client = kvcal.Client(worker.target)
+        client.create_session(model.config)
+        with kvcal.Producer(client, **options) as producer, kvcal.torch.capture(model, producer):
+            with torch.no_grad():
+                for i, ids in enumerate(inputs):
+                    model(ids, attention_mask=mask if i == 2 else None, use_cache=False)
+        results.append((all_scales(client), client.status().values_ingested, producer.stats()))
+        client.delete()
+    (wired, wired_values, _), (local, local_values, stats) = results
+    assert stats["local_flushes"] == 3 and stats["last_sequence"] == 0
+    assert local_values == wired_values > 0
+    assert local == wired
