@@ -509,14 +509,14 @@ class WorkerProducer(_ProducerBase):
             start_sequence = applied + 1
         self._next_sequence = int(start_sequence)
         self._acked = self._durable = self._next_sequence - 1
-        # local_statistics=True: batches (not held out) go to this instead of
-        # being sent (kvcal/local_producer.py).
         self._local = self._make_local(local_statistics, flush_batches)
         self._thread = threading.Thread(target=self._run, name=f"kvcal-producer-{self.producer_id}",
                                         daemon=True)
         self._thread.start()
 
     def _make_local(self, local_statistics: bool, flush_batches: Optional[int]):
+        """local_statistics=True: the LocalFlushes that put() hands the batches
+        that are not held out to, instead of sending them; else None."""
         if not local_statistics:
             if flush_batches is not None:
                 raise ValueError("kvcal: Producer: flush_batches is for local_statistics=True")
