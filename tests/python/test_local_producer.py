@@ -257,3 +257,32 @@ def test_capture_through_a_local_statistics_producer(worker):
     assert stats["local_flushes"] == 3 and stats["last_sequence"] == 0
     assert local_values == wired_values > 0
     assert local == wired
+
+
+def test_a_flush_is_refused_when_it_cannot_be_applied(make_worker):
+    """A state over the client's message limit, and a session that is gone
+    (a worker restarted without --state-dir: ImportState would create a new
+    session from one partial state): one ProducerError naming why, nothing
+    imported, and the producer stays failed."""
+    w = make_worker()
+    small = kvcal.Client(w.target, max_message_bytes=64 << 10)
+    small.create_session(geometry=GEOMETRY, session_id="limit")
+    producer = kvcal.Producer(small, local_statistics=True)
+    for layer, role, t, layout in batches(4, 1)[0]:
+        producer.put(layer, role, t, layout=layout)
+    with pytest.raises(kvcal.ProducerError, match="over the client's max_message_bytes 65536"):
+        producer.flush()
+    with pytest.raises(kvcal.ProducerError, match="max_message_bytes"):
+        producer.put(0, "k", np.ones((3, 2, 16), np.float32), layout="tokens_heads_dim")
+    producer.abandon()
+    assert small.status("limit").values_ingested == 0
+
+    client = kvcal.Client(w.target)
+    client.create_session(geometry=GEOMETRY, session_id="gone")
+    producer = kvcal.Producer(client, local_statistics=True)
+    producer.put(0, "k", np.ones((3, 2, 16), np.float32), layout="tokens_heads_dim")
+    w.restart()
+    with pytest.raises(kvcal.ProducerError, match="session gone is gone from the worker"):
+        producer.flush()
+    producer.abandon()
+    assert [s.session_id for s in client.list_sessions()] == []
