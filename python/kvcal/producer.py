@@ -115,10 +115,12 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusC
 
 def _check_options(chunk_bytes=4 << 20, max_pending_chunks=1024, max_pending_bytes=512 << 20,
                    window=DEFAULT_WINDOW, start_sequence=None, reconnect_timeout=120.0,
-                   durable_timeout=120.0, flush_batches=None, **_):
+                   durable_timeout=120.0, local_statistics=False, flush_batches=None, **_):
     """The numeric arguments of Producer, checked before it connects, with
     the CLI's ranges for chunk_bytes and window (push --chunk-bytes,
     --window): a ValueError naming the argument and what is valid."""
+    if flush_batches is not None and not local_statistics:
+        raise ValueError("kvcal: Producer: flush_batches is for local_statistics=True")
     if flush_batches is not None:
         _args.check_int("Producer", "flush_batches", flush_batches, _args.IntRange(1, None))
     _args.check_int("Producer", "chunk_bytes", chunk_bytes, _args.CHUNK_BYTES)
@@ -445,7 +447,8 @@ class WorkerProducer(_ProducerBase):
         _check_options(chunk_bytes=chunk_bytes, max_pending_chunks=max_pending_chunks,
                        max_pending_bytes=max_pending_bytes, window=window,
                        start_sequence=start_sequence, reconnect_timeout=reconnect_timeout,
-                       durable_timeout=durable_timeout, flush_batches=flush_batches)
+                       durable_timeout=durable_timeout, local_statistics=local_statistics,
+                       flush_batches=flush_batches)
         workers = getattr(client, "workers", None)
         if workers is not None:
             raise ValueError(f"kvcal: a WorkerProducer streams to one worker and this client has "
@@ -518,8 +521,6 @@ class WorkerProducer(_ProducerBase):
         """local_statistics=True: the LocalFlushes that put() hands the batches
         that are not held out to, instead of sending them; else None."""
         if not local_statistics:
-            if flush_batches is not None:
-                raise ValueError("kvcal: Producer: flush_batches is for local_statistics=True")
             return None
         from kvcal.local_producer import DEFAULT_FLUSH_BATCHES, LocalFlushes
 
