@@ -74,7 +74,7 @@ struct VllmPrediction {
   bool modelled = true;
   // What the cache really is: "fp8", "fp8_e4m3", "nvfp4", "auto", ...
   std::string kv_cache_dtype;
-  bool per_head = false;       // compressed-tensors strategy attn_head
+  bool per_head = false;  // compressed-tensors strategy attn_head
   // Backends that start with these scales (and, for NVFP4, on which GPUs).
   std::string backends;
   // vLLM raises at start-up; each entry says why and where.

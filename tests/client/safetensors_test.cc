@@ -264,8 +264,9 @@ TEST(ModelConfigTest, RefusesMultiHeadLatentAttention) {
           "hidden_size": 7168, "kv_lora_rank": 512, "q_lora_rank": 1536,
           "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
           "v_head_dim": 128})"),
-      StatusIs(absl::StatusCode::kInvalidArgument,
-               HasSubstr(absl::StrCat("config.json: kv_lora_rank 512: ", kMla))));
+      StatusIs(
+          absl::StatusCode::kInvalidArgument,
+          HasSubstr(absl::StrCat("config.json: kv_lora_rank 512: ", kMla))));
   // kv_lora_rank left to the config class's default.
   EXPECT_THAT(
       ConfigStatus(R"({"model_type": "kimi_k2", "num_hidden_layers": 2,
@@ -273,11 +274,10 @@ TEST(ModelConfigTest, RefusesMultiHeadLatentAttention) {
       StatusIs(absl::StatusCode::kInvalidArgument,
                HasSubstr(absl::StrCat("model_type \"kimi_k2\": ", kMla))));
   // Inside a multimodal model's text_config.
-  EXPECT_THAT(
-      ConfigStatus(R"({"model_type": "some_vl", "text_config": {
+  EXPECT_THAT(ConfigStatus(R"({"model_type": "some_vl", "text_config": {
           "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32,
           "kv_lora_rank": 64}})"),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(kMla)));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(kMla)));
   // Split RoPE head dims without a latent (DeepSeek-V2 with
   // kv_lora_rank null): per-head, but q/k and v head sizes differ.
   EXPECT_THAT(
@@ -338,11 +338,12 @@ TEST(ModelConfigTest, RefusesHybridAndLinearAttentionLayers) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("layer_types[0] \"conv\"")));
   // RecurrentGemma: block_types is a pattern repeated over the layers.
-  EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 26, "num_attention_heads": 4,
+  EXPECT_THAT(
+      ConfigStatus(R"({"num_hidden_layers": 26, "num_attention_heads": 4,
           "hidden_size": 32, "block_types": ["recurrent", "recurrent",
           "attention"]})"),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("block_types[0] \"recurrent\"")));
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("block_types[0] \"recurrent\"")));
   // Nemotron-H's pattern, Mamba keys, Gemma 3n's KV sharing.
   EXPECT_THAT(ConfigStatus(R"({"num_hidden_layers": 4, "num_attention_heads": 4,
           "hidden_size": 32, "hybrid_override_pattern": "M-M*"})"),
