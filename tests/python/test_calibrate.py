@@ -281,13 +281,9 @@ def assert_vllm_loads_every_scale_as_written(out):
     """vLLM 0.34's own loader (test_vllm_own_code.py's child process) reads
     every scale tensor of the patched SmolLM2 checkpoint OUT into its
     attention layer, as written, with an FP8 cache and no scale warning."""
-    from test_vllm_own_code import VLLM_DIR, VllmProcess, assert_no_scale_warnings
+    from test_vllm_own_code import VllmProcess, assert_no_scale_warnings, require_vllm
 
-    if not os.path.isfile(os.path.join(VLLM_DIR, "vllm", "__init__.py")):
-        message = f"vLLM is not unpacked in {VLLM_DIR} (tests/python/run_python_tests.sh)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+    require_vllm()
     written = scale_tensors(out)
     child = VllmProcess(os.path.join(os.path.dirname(out), "vllm.log"),
                         module="test_vllm_own_code")

@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 
 import test_vllm_own_code as own
-from test_vllm_own_code import PINS, QUARK, VLLM_DIR, VLLM_VERSION, VllmProcess
+from test_vllm_own_code import PINS, QUARK, VLLM_DIR, VllmProcess
 
 LAYERS_Q_LORA = 8  # DeepSeek-V3 shape: q_lora_rank set (fused_qkv_a_proj)
 KV_LORA_RANK, ROPE_DIM = 16, 8
@@ -222,12 +222,7 @@ def _mla_quant_methods():
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
-    if not os.path.isfile(os.path.join(VLLM_DIR, "vllm", "__init__.py")):
-        message = (f"vLLM {VLLM_VERSION} is not unpacked in {VLLM_DIR}: tests/python/run_python_tests.sh "
-                   "installs it (tests/python/requirements-vllm.txt)")
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+    own.require_vllm()
     child = VllmProcess(str(tmp_path_factory.mktemp("vllm-mla") / "vllm.log"), module=__name__)
     try:
         info = child.call("_mla_bootstrap")

@@ -208,12 +208,7 @@ class _Child(own.VllmProcess):
 def vllm_child(tmp_path_factory):
     """vLLM 0.34.0 in a child process (skipped, or failed under CI=true, when
     run_python_tests.sh has not installed it)."""
-    if not os.path.isfile(os.path.join(own.VLLM_DIR, "vllm", "__init__.py")):
-        message = (f"vLLM {own.VLLM_VERSION} is not unpacked in {own.VLLM_DIR}: "
-                   "tests/python/run_python_tests.sh installs it (tests/python/requirements-vllm.txt)")
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+    own.require_vllm()
     child = _Child(str(tmp_path_factory.mktemp("vllm") / "vllm.log"))
     try:
         info = child.call("_vllm_bootstrap")

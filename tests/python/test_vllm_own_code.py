@@ -340,16 +340,22 @@ class VllmProcess:
         self.log.close()
 
 
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory):
-    """vLLM 0.34.0 in a child process (skipped, or failed under CI=true, when
-    run_python_tests.sh has not installed it)."""
+def require_vllm():
+    """Skips the caller, or fails it under CI=true, when run_python_tests.sh
+    has not unpacked vLLM 0.34.0 (every test running vLLM's code calls it)."""
     if not os.path.isfile(os.path.join(VLLM_DIR, "vllm", "__init__.py")):
         message = (f"vLLM {VLLM_VERSION} is not unpacked in {VLLM_DIR}: tests/python/run_python_tests.sh "
                    "installs it (tests/python/requirements-vllm.txt)")
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    """vLLM 0.34.0 in a child process (skipped, or failed under CI=true, when
+    run_python_tests.sh has not installed it)."""
+    require_vllm()
     child = VllmProcess(str(tmp_path_factory.mktemp("vllm") / "vllm.log"))
     try:
         info = child.call("_vllm_bootstrap")
