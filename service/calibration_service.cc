@@ -109,10 +109,9 @@ grpc::ServerUnaryReactor* CalibrationService::CreateSession(
         const SessionParameters parameters{
             .holdout_budget_bytes = request->holdout_budget_bytes(),
             .reject_non_finite = request->reject_non_finite()};
-        KVCAL_ASSIGN_OR_RETURN(
-            const std::shared_ptr<Session> session,
-            registry_.Create(tenant, request->session_id(), geometry, map,
-                             parameters));
+        KVCAL_ASSIGN_OR_RETURN(const std::shared_ptr<Session> session,
+                               registry_.Create(tenant, request->session_id(),
+                                                geometry, map, parameters));
         if (persister_ != nullptr) {
           // A failing disk is reported (metrics, /healthz) and the session
           // still serves, as with periodic snapshots.
@@ -238,6 +237,9 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
         absl::StrCat("chunk ", request.sequence(), " from producer '", producer,
                      "': ", session.status().message()));
   }
+  if (request.has_partial_statistics()) {
+    return ApplyPartial(*session, producer, request, data_bytes);
+  }
   // Before anything of the chunk is looked at: a chunk for another worker's
   // layer, or from a client sharding over another worker set, must not be
   // applied (it would split statistics across workers).
@@ -282,6 +284,53 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
   if (outcome.applied) {
     const uint64_t element_size = request.dtype() == pb::DTYPE_F32 ? 4 : 2;
     metrics_.RecordIngest(data_bytes, data_bytes / element_size);
+  } else {
+    metrics_.RecordDuplicate();
+  }
+  pb::IngestResponse response;
+  response.set_producer_id(producer);
+  response.set_sequence(request.sequence());
+  response.set_applied(outcome.applied);
+  response.set_watermark(outcome.watermark);
+  response.set_durable_watermark(outcome.durable_watermark);
+  return response;
+}
+
+absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyPartial(
+    const std::shared_ptr<Session>& session, const std::string& producer,
+    const pb::IngestRequest& request, uint64_t data_bytes) {
+  // A partial carries no chunk: a chunk field set beside it is a client bug.
+  std::vector<std::string> set;
+  if (data_bytes != 0) set.push_back("data");
+  if (request.has_shared_memory()) set.push_back("shared_memory");
+  if (request.holdout()) set.push_back("holdout");
+  if (request.batch() != 0) set.push_back("batch");
+  if (request.layer() != 0) set.push_back("layer");
+  if (request.role() != pb::ROLE_UNSPECIFIED) set.push_back("role");
+  if (request.dtype() != pb::DTYPE_UNSPECIFIED) set.push_back("dtype");
+  if (request.layout() != pb::LAYOUT_UNSPECIFIED) set.push_back("layout");
+  if (request.shape_size() != 0) set.push_back("shape");
+  if (request.head_offset() != 0) set.push_back("head_offset");
+  if (!set.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "partial statistics ", request.sequence(), " from producer '", producer,
+        "' also sets ", absl::StrJoin(set, ", "),
+        "; a message carries either a chunk or partial statistics"));
+  }
+  const pb::PartialStatistics& partial = request.partial_statistics();
+  SessionCounters counters;
+  counters.chunks_applied = partial.tensors();
+  counters.values_ingested = partial.values();
+  counters.bytes_ingested = partial.bytes();
+  KVCAL_ASSIGN_OR_RETURN(
+      const IngestOutcome outcome,
+      session->IngestPartial(
+          producer, request.sequence(), partial.statistics(), counters,
+          std::vector<std::string>(request.shard_worker_ids().begin(),
+                                   request.shard_worker_ids().end()),
+          options_.worker_id));
+  if (outcome.applied) {
+    metrics_.RecordIngest(partial.statistics().size(), partial.values());
   } else {
     metrics_.RecordDuplicate();
   }

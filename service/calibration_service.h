@@ -161,6 +161,10 @@ class CalibrationService final : public calibration_grpc::Base {
       const std::string& tenant, const kvcal::v1::IngestRequest& request,
       const std::vector<absl::Span<const std::byte>>& data,
       uint64_t data_bytes);
+  // ApplyChunk for a message carrying partial_statistics instead of a chunk.
+  absl::StatusOr<kvcal::v1::IngestResponse> ApplyPartial(
+      const std::shared_ptr<Session>& session, const std::string& producer,
+      const kvcal::v1::IngestRequest& request, uint64_t data_bytes);
 
   // In-flight accounting shared by all Ingest streams.
   // SessionInfoToProto plus what the service knows (persistence).

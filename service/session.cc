@@ -248,6 +248,101 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
   return IngestOutcome{true, sequence, producer->durable_watermark};
 }
 
+namespace {
+
+// The layers of `stats` with any data: values, non-finite values or
+// per-batch records in one of their heads.
+std::vector<uint32_t> LayersWithData(const SessionStatistics& stats) {
+  const Geometry& g = stats.geometry();
+  const size_t per_layer =
+      g.num_layers == 0 ? 0 : stats.num_heads_total() / g.num_layers;
+  std::vector<uint32_t> layers;
+  for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
+    for (size_t i = 0; i < per_layer; ++i) {
+      const HeadStatistics& h = stats.heads()[layer * per_layer + i];
+      if (h.finite_count > 0 || h.nonfinite_count() > 0 || !h.batches.empty()) {
+        layers.push_back(layer);
+        break;
+      }
+    }
+  }
+  return layers;
+}
+
+}  // namespace
+
+absl::StatusOr<IngestOutcome> Session::IngestPartial(
+    absl::string_view producer_id, uint64_t sequence,
+    absl::string_view statistics, const SessionCounters& counters,
+    const std::vector<std::string>& shard_client_ids,
+    absl::string_view worker_id) {
+  const std::string producer_name = ResolveProducerId(producer_id);
+  const std::string what = absl::StrCat("partial statistics ", sequence,
+                                        " from producer '", producer_name, "'");
+  auto named = [&what](const absl::Status& status) {
+    return absl::Status(status.code(),
+                        absl::StrCat(what, ": ", status.message()));
+  };
+  // Everything about the message itself before any lock.
+  absl::StatusOr<SessionStatistics> stats =
+      SessionStatistics::Deserialize(statistics);
+  if (!stats.ok()) return named(stats.status());
+  if (!(stats->geometry() == geometry_)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": computed with geometry {", stats->geometry().DebugString(),
+        "}, but session '", id_, "' has {", geometry_.DebugString(),
+        "}; make the producer's engine from the session's options"));
+  }
+  const std::vector<uint32_t> layers = LayersWithData(*stats);
+  // Empty statistics touch no layer (CheckShard would read an empty list
+  // as every layer).
+  if (!layers.empty()) {
+    if (absl::Status shard = CheckShard(shard_client_ids, layers, worker_id);
+        !shard.ok()) {
+      return named(shard);
+    }
+  }
+  if (absl::Status finite =
+          CheckStateFinite(id_, reject_non_finite_, *stats, {});
+      !finite.ok()) {
+    return named(finite);
+  }
+  std::unique_lock<std::shared_mutex> state_lock(state_mu_);
+  Producer* producer = FindProducer(producer_name, false);
+  if (sequence == 0) {
+    if (producer == nullptr) return IngestOutcome{false, 0};
+    std::lock_guard<std::mutex> lock(producer->mu);
+    return IngestOutcome{false, producer->watermark,
+                         producer->durable_watermark};
+  }
+  if (producer == nullptr) {
+    if (sequence != 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": sequence gap, expected sequence 1 (watermark 0)"));
+    }
+    producer = FindProducer(producer_name, true);
+  }
+  std::lock_guard<std::mutex> lock(producer->mu);
+  if (sequence <= producer->watermark) {
+    return IngestOutcome{false, producer->watermark,
+                         producer->durable_watermark};
+  }
+  if (sequence != producer->watermark + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": sequence gap, expected sequence ", producer->watermark + 1,
+        " (watermark ", producer->watermark, ")"));
+  }
+  if (absl::Status merged = backend_->Merge(*stats); !merged.ok()) {
+    return named(merged);
+  }
+  producer->watermark = sequence;
+  chunks_applied_ += counters.chunks_applied;
+  values_ingested_ += counters.values_ingested;
+  bytes_ingested_ += counters.bytes_ingested;
+  generation_.fetch_add(1);  // the persister and the non-finite cache see it
+  return IngestOutcome{true, sequence, producer->durable_watermark};
+}
+
 void Session::MarkDurable(const std::vector<ProducerInfo>& producers) {
   for (const ProducerInfo& info : producers) {
     Producer* producer = FindProducer(info.producer_id, false);

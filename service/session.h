@@ -147,6 +147,23 @@ class Session {
                                        bool holdout = false,
                                        bool device_data = false);
 
+  // Exactly-once merge of a producer's own statistics (IngestRequest.
+  // partial_statistics), numbered in the producer's sequence space as a
+  // chunk. In order: `statistics` (SessionStatistics::Serialize()) must parse
+  // (InvalidArgument) and have been computed with this session's geometry,
+  // histogram resolution and roles (FailedPrecondition naming both); the
+  // layers it holds data for must pass CheckShard(shard_client_ids, layers,
+  // worker_id); with reject_non_finite it must hold no NaN or Inf
+  // (InvalidArgument); then the sequence is checked as Ingest checks a
+  // chunk's, and the statistics merged and `counters` added (its
+  // nonfinite_values is ignored: the statistics carry those). Errors name
+  // the sequence and producer; nothing of a refused message is applied.
+  absl::StatusOr<IngestOutcome> IngestPartial(
+      absl::string_view producer_id, uint64_t sequence,
+      absl::string_view statistics, const SessionCounters& counters,
+      const std::vector<std::string>& shard_client_ids,
+      absl::string_view worker_id);
+
   absl::StatusOr<SessionInfo> Info();
   absl::StatusOr<ScaleResult> Finalize(const ScaleOptions& options);
   // Finalize with `evaluate` or the `auto` observer on the held-out batches

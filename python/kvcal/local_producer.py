@@ -1,33 +1,31 @@
 """The local-statistics side of a producer (kvcal.Producer(client,
-local_statistics=True, flush_batches=N)): the batches a WorkerProducer is
-handed are accumulated in this process by a kvcal.LocalStatistics instead
-of being sent as chunks, and every `flush_batches` batches (and at flush()
-and close()) the accumulated state is exported and merged into the session
-on the worker with ImportState, then the local state starts afresh.
+local_statistics=True, flush_batches=N, flush_seconds=T)): the batches a
+WorkerProducer is handed are accumulated in this process by a
+kvcal.LocalStatistics instead of being sent as chunks. Every
+`flush_batches` batches, when `flush_seconds` have passed since the last
+flush at a batch boundary, and at flush() and close(), the accumulated
+statistics become one numbered message of the producer's own sequence
+(IngestRequest.partial_statistics, docs/local-statistics.md), queued after
+the chunks put before it, and the local state starts afresh.
 
-Exactly once, as far as it goes: each flush has an import id
-"kvcal-local/<producer id>/<instance>/<n>" (n = 1, 2, ... per producer
-object; instance: random per producer object, so that a second producer
-of the same name never collides with the first's ids). A flush whose
-ImportState failed with a connection error is retried with the same id and
-the same state, and the worker applies an id at most once, so a flush is
-merged once however often it is retried. What that does not cover
-(docs/local-statistics.md): batches accumulated since the last flush are
-lost when the producer dies; a flush the worker acknowledged and then lost
-in a restart from an older snapshot (--state-dir) is not sent again;
-nothing is resumable from a durable watermark yet.
+Because a flush is a message in the producer's sequence space, everything
+the producer does for chunks holds for it: exactly once (a resend after a
+broken stream is acknowledged as a duplicate), kept until durable when the
+worker persists its state (a worker restarted from an older snapshot gets
+it again), and resumable: a producer created with resume=True continues
+after the session's watermark. With flush_batches only (no flush_seconds
+and no flush() in the middle), flush n of a producer that numbers its
+batches 0, 1, 2, ... covers batches [(n-1) N, n N), so a restarted
+producer that finds watermark w skips the first w N batches.
 """
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
-from typing import Optional, Set
+from typing import Callable, Optional, Set
 
-import grpc
-
-from kvcal.client import Client, KvcalError
+from kvcal.client import Client
 from kvcal.local_statistics import LocalStatistics
 from kvcal.producer import ProducerError
 from kvcal.v1 import pb
@@ -35,62 +33,58 @@ from kvcal.v1 import pb
 log = logging.getLogger("kvcal")
 
 DEFAULT_FLUSH_BATCHES = 64
-# ImportState codes after which the same flush (same import id) is sent
-# again: the connection, a worker restart; anything else is an error in the
-# state or the session.
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
-              grpc.StatusCode.UNKNOWN}
+# Bytes of an IngestRequest around its partial statistics (ids, sequence,
+# the counters, field tags), more than enough: for the message-size check.
+_REQUEST_OVERHEAD = 1024
 
 
 class LocalFlushes:
     """One producer's local state for one worker and its flushes (see the
-    module docs). Thread-safe: accumulate(), batch_started() and flush() may
-    be called from several threads (they take turns)."""
+    module docs). `send(partial)` queues one pb.PartialStatistics as the
+    producer's next message (blocking while the producer holds too much).
+    Thread-safe: accumulate(), batch_started() and flush() may be called
+    from several threads (they take turns)."""
 
-    def __init__(self, client: Client, session_id: str, producer_id: str, *,
-                 flush_batches: int = DEFAULT_FLUSH_BATCHES, retry_timeout: float = 120.0):
+    def __init__(self, client: Client, session_id: str, producer_id: str,
+                 send: Callable[[pb.PartialStatistics], None], *,
+                 flush_batches: int = DEFAULT_FLUSH_BATCHES,
+                 flush_seconds: Optional[float] = None):
         self.client = client
         self.session_id = session_id
         self.producer_id = producer_id
         self.flush_batches = int(flush_batches)
-        self.retry_timeout = float(retry_timeout)
+        self.flush_seconds = None if flush_seconds is None else float(flush_seconds)
+        self._send = send
         self.local = LocalStatistics.for_session(client, session_id)
-        self.instance = secrets.token_hex(6)
-        self.flushes = 0  # flushes applied by the worker
-        self.flush_bytes = 0  # serialized ImportStateRequest bytes of those flushes
-        self.import_retries = 0  # ImportState calls sent again after a retryable error
+        self.flushes = 0  # partial-statistics messages queued
+        self.flush_bytes = 0  # bytes of their statistics
         self._batches: Set[int] = set()  # batch numbers in the local state
+        self._last_flush = time.monotonic()
         self._lock = threading.Lock()
-        self._error: Optional[ProducerError] = None  # a failed flush; raised from then on
-
-    def import_id(self, n: int) -> str:
-        """The import id of flush n (1, 2, ...)."""
-        return f"kvcal-local/{self.producer_id}/{self.instance}/{n}"
+        self._error: Optional[ProducerError] = None  # raised from then on
 
     def accumulate(self, layer: int, role, tensor, *, batch: int, layout: int,
                    head_offset: int) -> None:
-        """Adds one tensor to the local state; first flushes when the state
-        holds flush_batches batches and `batch` is not one of them."""
+        """Adds one tensor to the local state; first flushes when `batch`
+        starts a new batch and the flush policy says so."""
         with self._lock:
             self._raise_if_failed_locked()
-            if batch not in self._batches and len(self._batches) >= self.flush_batches:
+            if batch not in self._batches and self._due_locked():
                 self._flush_locked()
             self.local.accumulate(layer, role, tensor, batch=batch, layout=layout,
                                   head_offset=head_offset)
             self._batches.add(batch)
 
     def batch_started(self, batch: int) -> None:
-        """new_batch(): flushes now when the state already holds
-        flush_batches batches (so a finished batch does not wait for the
-        next one's first tensor)."""
+        """new_batch(): flushes now when the policy says so (so a finished
+        batch does not wait for the next one's first tensor)."""
         with self._lock:
             self._raise_if_failed_locked()
-            if batch not in self._batches and len(self._batches) >= self.flush_batches:
+            if batch not in self._batches and self._due_locked():
                 self._flush_locked()
 
     def flush(self) -> None:
-        """Exports what is accumulated and merges it into the session
+        """Queues what is accumulated as the producer's next message
         (nothing when nothing was accumulated since the last flush)."""
         with self._lock:
             self._raise_if_failed_locked()
@@ -104,70 +98,41 @@ class LocalFlushes:
             self.local.reset()
             self._batches.clear()
 
+    def _due_locked(self) -> bool:
+        if not self._batches:
+            return False
+        if len(self._batches) >= self.flush_batches:
+            return True
+        return (self.flush_seconds is not None
+                and time.monotonic() - self._last_flush >= self.flush_seconds)
+
     def _raise_if_failed_locked(self) -> None:
         if self._error is not None:
             raise ProducerError(str(self._error)) from self._error
 
     def _flush_locked(self) -> None:
-        if self.local.counters["chunks_applied"] == 0:
+        self._last_flush = time.monotonic()
+        counters = self.local.counters
+        if counters["chunks_applied"] == 0:
             self._batches.clear()
             return
-        n = self.flushes + 1
-        request = pb.ImportStateRequest(session_id=self.session_id,
-                                        state=self.local.export_state(self.session_id),
-                                        import_id=self.import_id(n))
+        statistics = self.local.export_statistics()
+        partial = pb.PartialStatistics(statistics=statistics,
+                                       tensors=counters["chunks_applied"],
+                                       values=counters["values_ingested"],
+                                       bytes=counters["bytes_ingested"])
         limit = getattr(self.client, "_max_message_bytes", None)
-        if limit is not None and request.ByteSize() > limit:
+        size = partial.ByteSize() + _REQUEST_OVERHEAD
+        if limit is not None and size > limit:
             self._error = ProducerError(
-                f"kvcal: producer {self.producer_id}: the local state of flush "
-                f"{request.import_id} is {request.ByteSize()} bytes, over the client's "
+                f"kvcal: producer {self.producer_id}: the local statistics of flush "
+                f"{self.flushes + 1} are {partial.ByteSize()} bytes, over the client's "
                 f"max_message_bytes {limit}; raise it (kvcal.Client(..., max_message_bytes=) "
-                f"and the worker's --max-message-bytes) or shard the session over more workers")
+                f"and the worker's --max-message-bytes), flush more often (flush_batches) "
+                f"or shard the session over more workers")
             raise self._error
-        try:
-            self._import(request)
-        except ProducerError as e:
-            self._error = e
-            raise
-        self.flushes = n
-        self.flush_bytes += request.ByteSize()
+        self._send(partial)  # raises ProducerError when the producer failed
+        self.flushes += 1
+        self.flush_bytes += len(statistics)
         self.local.reset()
         self._batches.clear()
-
-    def _import(self, request: pb.ImportStateRequest) -> None:
-        """ImportState, retried with the same request (and import id) after
-        a retryable error for up to retry_timeout seconds. Before each try
-        the session must exist: ImportState would otherwise create one from
-        this partial state (a worker restarted without --state-dir)."""
-        deadline = time.monotonic() + self.retry_timeout
-        backoff = 0.05
-        while True:
-            try:
-                self.client.status(self.session_id)
-                self.client._call(f"ImportState (flush {request.import_id})",
-                                  self.client.stub.ImportState, request)
-                return
-            except KvcalError as e:
-                if e.code == grpc.StatusCode.NOT_FOUND:
-                    raise ProducerError(
-                        f"kvcal: producer {self.producer_id}: session {self.session_id} is gone "
-                        f"from the worker {self.client.target} (restarted without --state-dir?); "
-                        f"the local statistics of flush {request.import_id} are not "
-                        f"imported: {e}") from e
-                if e.code not in _RETRYABLE or time.monotonic() > deadline:
-                    raise ProducerError(
-                        f"kvcal: producer {self.producer_id}: flush {request.import_id} to "
-                        f"{self.client.target} failed: {e}") from e
-                log.info("kvcal: flush %s failed (%s); retrying with the same import id",
-                         request.import_id, e.code)
-                self._relocate()
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                self.import_retries += 1
-
-    def _relocate(self) -> None:
-        if self.client.relocate is not None:
-            try:  # a sharding client: the worker may be back under a new address
-                self.client.relocate()
-            except Exception as e:  # looking is best effort
-                log.info("kvcal: looking for a moved worker: %s", e)

@@ -311,6 +311,12 @@ class LocalStatistics:
             holdout_budget_bytes=self.holdout_budget_bytes,
             reject_non_finite=self.reject_non_finite)
 
+    def export_statistics(self) -> bytes:
+        """The statistics alone, in the engine's serialized format (what
+        export_state() carries as SessionState.statistics, and a
+        local-statistics producer sends as PartialStatistics.statistics)."""
+        return self._engine.export()[0]
+
     def reset(self) -> None:
         """Forgets everything accumulated (and the counters)."""
         self._engine.reset()

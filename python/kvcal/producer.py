@@ -57,12 +57,13 @@ go in-band; `producer.shared_memory` says which. A chunk larger than a slot
 (a held-out sequence) goes in-band. After a reconnect the region is
 registered again (a restarted worker has never heard of it).
 
-Local statistics (local_statistics=True, flush_batches=N; kvcal/local_producer.py,
-docs/local-statistics.md): batches that are not held out are accumulated in
-this process by a kvcal.LocalStatistics instead of being sent; every N
-batches, at flush() and at close() the state is merged into the session
-with ImportState under an import id of its own (retried with the same id,
-so applied once) and started afresh. Held-out chunks still go as chunks.
+Local statistics (local_statistics=True, flush_batches=N, flush_seconds=T;
+kvcal/local_producer.py, docs/local-statistics.md): batches that are not
+held out are accumulated in this process by a kvcal.LocalStatistics instead
+of being sent; every N batches (or T seconds, at a batch boundary), at
+flush() and at close() the state becomes one partial-statistics message in
+the producer's sequence (exactly once, kept until durable and resumable like
+a chunk) and starts afresh. Held-out chunks still go as chunks.
 
 Tensors: numpy arrays (float32, float16, ml_dtypes.bfloat16) and torch
 tensors (float32, float16, bfloat16; CPU or CUDA). bf16 goes on the wire as
@@ -115,14 +116,18 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusC
 
 def _check_options(chunk_bytes=4 << 20, max_pending_chunks=1024, max_pending_bytes=512 << 20,
                    window=DEFAULT_WINDOW, start_sequence=None, reconnect_timeout=120.0,
-                   durable_timeout=120.0, local_statistics=False, flush_batches=None, **_):
+                   durable_timeout=120.0, local_statistics=False, flush_batches=None,
+                   flush_seconds=None, **_):
     """The numeric arguments of Producer, checked before it connects, with
     the CLI's ranges for chunk_bytes and window (push --chunk-bytes,
     --window): a ValueError naming the argument and what is valid."""
     if flush_batches is not None and not local_statistics:
         raise ValueError("kvcal: Producer: flush_batches is for local_statistics=True")
+    if flush_seconds is not None and not local_statistics:
+        raise ValueError("kvcal: Producer: flush_seconds is for local_statistics=True")
     if flush_batches is not None:
         _args.check_int("Producer", "flush_batches", flush_batches, _args.IntRange(1, None))
+    _args.check_timeout("Producer", "flush_seconds", flush_seconds)
     _args.check_int("Producer", "chunk_bytes", chunk_bytes, _args.CHUNK_BYTES)
     _args.check_int("Producer", "window", window, _args.WINDOW)
     _args.check_int("Producer", "max_pending_chunks", max_pending_chunks, _args.IntRange(1, None))
@@ -264,10 +269,13 @@ class _SharedMemoryRing:
 
 
 class _Chunk:
+    """One numbered message: a piece of a tensor, or (partial set; a
+    local-statistics flush) partial statistics."""
     __slots__ = ("sequence", "batch", "layer", "role", "dtype", "layout", "shape",
-                 "head_offset", "payload", "begin", "end", "holdout")
+                 "head_offset", "payload", "begin", "end", "holdout", "partial")
 
     def __init__(self, **kw):
+        self.partial = None
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -277,6 +285,9 @@ class _Chunk:
 
     def request(self, session_id: str, producer_id: str,
                 ring: Optional[_SharedMemoryRing] = None) -> pb.IngestRequest:
+        if self.partial is not None:
+            return pb.IngestRequest(session_id=session_id, producer_id=producer_id,
+                                    sequence=self.sequence, partial_statistics=self.partial)
         request = pb.IngestRequest(
             session_id=session_id, producer_id=producer_id, sequence=self.sequence,
             batch=self.batch, layer=self.layer, role=self.role, dtype=self.dtype,
@@ -443,12 +454,12 @@ class WorkerProducer(_ProducerBase):
                  resume: bool = False,
                  reconnect_timeout: float = 120.0, durable_timeout: float = 120.0,
                  shared_memory: bool = False, local_statistics: bool = False,
-                 flush_batches: Optional[int] = None):
+                 flush_batches: Optional[int] = None, flush_seconds: Optional[float] = None):
         _check_options(chunk_bytes=chunk_bytes, max_pending_chunks=max_pending_chunks,
                        max_pending_bytes=max_pending_bytes, window=window,
                        start_sequence=start_sequence, reconnect_timeout=reconnect_timeout,
                        durable_timeout=durable_timeout, local_statistics=local_statistics,
-                       flush_batches=flush_batches)
+                       flush_batches=flush_batches, flush_seconds=flush_seconds)
         workers = getattr(client, "workers", None)
         if workers is not None:
             raise ValueError(f"kvcal: a WorkerProducer streams to one worker and this client has "
@@ -512,12 +523,14 @@ class WorkerProducer(_ProducerBase):
             start_sequence = applied + 1
         self._next_sequence = int(start_sequence)
         self._acked = self._durable = self._next_sequence - 1
-        self._local = self._make_local(local_statistics, flush_batches)
+        self._wire_bytes = 0  # serialized IngestRequests sent (resends included)
+        self._local = self._make_local(local_statistics, flush_batches, flush_seconds)
         self._thread = threading.Thread(target=self._run, name=f"kvcal-producer-{self.producer_id}",
                                         daemon=True)
         self._thread.start()
 
-    def _make_local(self, local_statistics: bool, flush_batches: Optional[int]):
+    def _make_local(self, local_statistics: bool, flush_batches: Optional[int],
+                    flush_seconds: Optional[float]):
         """local_statistics=True: the LocalFlushes that put() hands the batches
         that are not held out to, instead of sending them; else None."""
         if not local_statistics:
@@ -525,9 +538,9 @@ class WorkerProducer(_ProducerBase):
         from kvcal.local_producer import DEFAULT_FLUSH_BATCHES, LocalFlushes
 
         return LocalFlushes(
-            self.client, self.session_id, self.producer_id,
+            self.client, self.session_id, self.producer_id, self._put_partial,
             flush_batches=DEFAULT_FLUSH_BATCHES if flush_batches is None else flush_batches,
-            retry_timeout=self.reconnect_timeout)
+            flush_seconds=flush_seconds)
 
     # -- producer side ---------------------------------------------------------
     @property
@@ -606,6 +619,19 @@ class WorkerProducer(_ProducerBase):
         self._local.accumulate(layer, role, tensor, batch=batch, layout=layout,
                                head_offset=head_offset)
 
+    def _put_partial(self, partial: pb.PartialStatistics) -> None:
+        """A local-statistics flush: `partial` becomes the next message of the
+        producer's sequence, after every chunk put before it."""
+        nbytes = len(partial.statistics)
+        with self._cv:
+            self._wait_for_room_locked(nbytes)
+            chunk = _Chunk(sequence=self._next_sequence, partial=partial, begin=0, end=nbytes,
+                           holdout=False)
+            self._next_sequence += 1
+            self._chunks.append(chunk)
+            self._held_bytes += nbytes
+            self._cv.notify_all()  # the sender: new data
+
     def _batch_started(self, batch: int) -> None:
         if self._local is not None:
             self._local.batch_started(batch)
@@ -617,8 +643,8 @@ class WorkerProducer(_ProducerBase):
     def flush(self, durable: Optional[bool] = None, timeout: Optional[float] = None) -> None:
         """Waits until every chunk put so far is applied; with durable=True
         (default: when chunks are kept until durable) until it is on disk.
-        In local-statistics mode it first merges the local state into the
-        session (ImportState; durability of that is not waited for)."""
+        In local-statistics mode the local state is first queued as the
+        producer's next message, and waited for like a chunk."""
         self._flush_local()
         last = self.last_sequence
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -697,17 +723,18 @@ class WorkerProducer(_ProducerBase):
             self._close_ring()
 
     def stats(self) -> dict:
-        """Counters; in local-statistics mode also local_flushes (flushes
-        the worker applied), local_flush_bytes (their ImportStateRequest
-        bytes) and local_import_retries."""
+        """Counters: wire_bytes (serialized IngestRequests sent, resends
+        included; gRPC framing not counted), and in local-statistics mode
+        local_flushes (partial-statistics messages queued) and
+        local_flush_bytes (their statistics' bytes)."""
         with self._cv:
             out = {"last_sequence": self.last_sequence, "acknowledged": self._acked,
                    "durable": self._durable, "pending_chunks": len(self._chunks),
-                   "pending_bytes": self._held_bytes, "reconnects": self.reconnects}
+                   "pending_bytes": self._held_bytes, "reconnects": self.reconnects,
+                   "wire_bytes": self._wire_bytes}
         if self._local is not None:
             out.update(local_flushes=self._local.flushes,
-                       local_flush_bytes=self._local.flush_bytes,
-                       local_import_retries=self._local.import_retries)
+                       local_flush_bytes=self._local.flush_bytes)
         return out
 
     # -- internals (self._cv held where the name says _locked) ---------------------
@@ -1014,6 +1041,7 @@ class _Sender:
             request = p._request(chunk)
             if request is None:
                 return
+            p._wire_bytes += request.ByteSize()  # only this thread writes it
             yield request
             self._sequence += 1
 
@@ -1047,7 +1075,7 @@ class ShardedProducer(_ProducerBase):
     the C++ client does). Batches and held-out flags are the
     ShardedProducer's; counters and errors are the sum of its producers'.
     With local_statistics=True each WorkerProducer keeps a local state of
-    its worker's layers only and imports it into that worker alone."""
+    its worker's layers only and sends it to that worker alone."""
 
     def __init__(self, client: Client, session_id: Optional[str] = None, producer_id: str = "",
                  **options):
@@ -1165,17 +1193,19 @@ def Producer(client: Client, session_id: Optional[str] = None, producer_id: str 
     producer_id: "default" by default; options: WorkerProducer's keyword
     arguments (chunk_bytes, max_pending_chunks, max_pending_bytes, window,
     keep_until_durable, start_sequence, resume, reconnect_timeout,
-    durable_timeout, shared_memory, local_statistics, flush_batches). Both
+    durable_timeout, shared_memory, local_statistics, flush_batches,
+    flush_seconds). Both
     types have the same methods: put, new_batch, flush, close, stats, and
     use as a context manager.
 
     local_statistics=True (docs/local-statistics.md): batches that are not
     held out are accumulated in this process (kvcal.LocalStatistics, the
     worker's engine) instead of being sent; every flush_batches batches
-    (default 64), at flush() and at close() the state is merged into the
-    session with ImportState under an import id of its own (a retried flush
-    is applied once) and the local state starts afresh. Held-out chunks are
-    sent as chunks as always. Needs the extension kvcal._engine."""
+    (default 64), when flush_seconds have passed at a batch boundary, at
+    flush() and at close() the state becomes the producer's next numbered
+    message (partial statistics: exactly once, kept until durable, resumable
+    as a chunk) and the local state starts afresh. Held-out chunks are sent
+    as chunks as always. Needs the extension kvcal._engine."""
     if getattr(client, "workers", None) is not None:
         return ShardedProducer(client, session_id, producer_id, **options)
     return WorkerProducer(client, session_id, producer_id, **options)
