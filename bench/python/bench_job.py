@@ -41,6 +41,9 @@ Per mode it prints:
   values/s          all values of all producers over the wall time from the
                     first producer's first put() to the last producer's
                     close() returning (every value applied on a worker);
+  worker CPU s      user+sys CPU seconds of all worker processes from their
+                    start to the last producer's close (/proc/PID/stat),
+                    Finalize not included;
   peak worker RSS   VmHWM of each worker process (/proc/PID/status) before
                     it is stopped: the largest, and the sum;
   finalize s        one Finalize of static min-max per head (every layer,
@@ -240,6 +243,12 @@ class Worker:
                     return int(line.split()[1]) * 1024
         raise RuntimeError("no VmHWM in /proc/PID/status")
 
+    def cpu_seconds(self):
+        """user+sys CPU seconds of the process so far (/proc/PID/stat)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -280,6 +289,7 @@ def run_mode(mode, args, conns, values_expected):
         for conn in conns:
             conn.send("go")
         results = [receive(conn, "done")[0] for conn in conns]
+        worker_cpu = sum(w.cpu_seconds() for w in workers)  # before Finalize
         status = client.status()
         if status.values_ingested != values_expected:
             raise RuntimeError(f"{mode}: the session counts {status.values_ingested} values, "
@@ -303,7 +313,7 @@ def run_mode(mode, args, conns, values_expected):
         "wire": sum(r["wire"] for r in results),
         "cpu": sum(r["cpu"] for r in results),
         "wall": wall, "values": values,
-        "rss_max": max(rss), "rss_sum": sum(rss),
+        "rss_max": max(rss), "rss_sum": sum(rss), "worker_cpu": worker_cpu,
         "finalize_minmax": finalize_minmax, "finalize_percentile": finalize_percentile,
         "scales": {"static_minmax": scale_bytes(minmax), "percentile": scale_bytes(percentile)},
         "local_flushes": sum(r["stats"].get("local_flushes", 0) for r in results),
@@ -343,6 +353,7 @@ def table(args, tokens, figures):
         ("producer CPU s/M values", cpu, "{:.4f}"),
         ("end-to-end values/s", rate, "{:.4g}"),
         ("wall s (first put..last close)", lambda f: f["wall"], "{:.2f}"),
+        ("worker CPU s (sum, to last close)", lambda f: f["worker_cpu"], "{:.2f}"),
         ("peak worker RSS MiB (largest)", lambda f: f["rss_max"] / (1 << 20), "{:.1f}"),
         ("peak worker RSS MiB (sum)", lambda f: f["rss_sum"] / (1 << 20), "{:.1f}"),
         ("finalize s (static_minmax/head)", lambda f: f["finalize_minmax"][0], "{:.3f}"),
@@ -393,7 +404,7 @@ def parse_args(argv=None):
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3-70b")
     ap.add_argument("--producers", type=int, default=4, help="producer processes (default 4)")
     ap.add_argument("--workers", type=int, default=2, help="kvcal-worker processes (default 2)")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens per batch (default 64)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per batch (default 128)")
     ap.add_argument("--batches", type=int, default=4, help="batches per producer (default 4)")
     ap.add_argument("--flush-batches", type=int, default=2,
                     help="local statistics: a flush every N batches, and at close (default 2)")
@@ -418,8 +429,16 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if not os.path.exists(WORKER_BIN):
-        print(f"bench_job: {WORKER_BIN} is not built (./run build; KVCAL_BUILD_DIR picks a build)")
-        return 2
+        print(f"bench_job: skipped: {WORKER_BIN} is not built (./run build; KVCAL_BUILD_DIR "
+              f"picks a build)")
+        return 0
+    from kvcal.local_statistics import load_engine
+
+    try:
+        load_engine()
+    except ImportError as e:  # a build without pybind11 (KVCAL_PYTHON_EXT)
+        print(f"bench_job: skipped: local statistics need the extension kvcal._engine: {e}")
+        return 0
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned producers
     layers, heads, kv_heads, dim = GEOMETRIES[args.geometry]
     values_per_token = layers * (heads + 2 * kv_heads) * dim
