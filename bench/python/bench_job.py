@@ -450,7 +450,8 @@ def main(argv=None):
           f"{tokens * values_per_token / 1e6:.1f} M values; {args.workers} kvcal-workers (CPU "
           f"backend, loopback, fresh per mode); histograms {args.histograms} bins/octave; "
           f"local statistics: flush every {args.flush_batches} batches ({flushes_per_producer} "
-          f"flushes per producer); {os.cpu_count()} CPUs")
+          f"flush{'es' if flushes_per_producer != 1 else ''} per producer); "
+          f"{os.cpu_count()} CPUs")
 
     ctx = multiprocessing.get_context("spawn")
     conns, processes = [], []
@@ -470,8 +471,8 @@ def main(argv=None):
             figures[mode] = run_mode(mode, args, conns, values_expected)
             f = figures[mode]
             print(f"{mode}: {f['wire']} wire bytes, producer CPU {f['cpu']:.2f} s, wall "
-                  f"{f['wall']:.2f} s" + (f", {f['local_flushes']} flushes (ImportState, one "
-                                           f"per worker each)" if mode == "local" else ""))
+                  f"{f['wall']:.2f} s" + (f", {f['local_flushes']} flush messages (each flush: one "
+                                           f"per worker)" if mode == "local" else ""))
         for conn in conns:
             conn.send(None)
     finally:

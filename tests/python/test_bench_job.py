@@ -52,7 +52,7 @@ def test_tiny_job_runs_both_modes_with_identical_scales(worker_bin, capsys):
     values = 2 * 3 * 8 * 4 * (8 + 2 + 2) * 64  # producers x batches x tokens x values/token
     in_band = int(re.search(r"^in-band: (\d+) wire bytes", out, re.M).group(1))
     local = int(re.search(r"^local: (\d+) wire bytes", out, re.M).group(1))
-    flushes = int(re.search(r"(\d+) flushes \(ImportState", out).group(1))
+    flushes = int(re.search(r"(\d+) flush messages", out).group(1))
     assert in_band > 2 * values  # every bf16 value once, plus the request headers
     assert in_band < 2 * values * 1.2
     assert local > 0
