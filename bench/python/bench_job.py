@@ -75,6 +75,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -127,6 +128,7 @@ def make_batches(index, args):
 
 # -- wire bytes ------------------------------------------------------------------
 _counted = {"ingest_bytes": 0}
+_counted_lock = threading.Lock()  # one sender thread per worker adds to it
 
 
 def _count_ingest_requests():
@@ -142,7 +144,9 @@ def _count_ingest_requests():
     def counting(self, chunk):
         request = original(self, chunk)
         if request is not None:
-            _counted["ingest_bytes"] += request.ByteSize()
+            size = request.ByteSize()
+            with _counted_lock:
+                _counted["ingest_bytes"] += size
         return request
 
     counting._bench_job_counting = True
@@ -309,8 +313,12 @@ def run_mode(mode, args, conns, values_expected):
             w.stop()
     wall = max(r["t1"] for r in results) - min(r["t0"] for r in results)
     values = sum(r["values"] for r in results)
+    wire = sum(r["wire"] for r in results)
+    if mode == "in-band" and wire < 2 * values:  # bf16: every value is 2 bytes on the wire
+        raise RuntimeError(f"in-band: {wire} wire bytes counted for {values} bf16 values: "
+                           f"the count lost requests")
     return {
-        "wire": sum(r["wire"] for r in results),
+        "wire": wire,
         "cpu": sum(r["cpu"] for r in results),
         "wall": wall, "values": values,
         "rss_max": max(rss), "rss_sum": sum(rss), "worker_cpu": worker_cpu,
