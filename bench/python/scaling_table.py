@@ -37,20 +37,20 @@ TOKENS = 1 << 20
 #        (one producer's whole state over 2 workers), tokens that flush covered)
 MODELS = {
     # python bench/python/bench_job.py --geometry llama3-8b
-    "Llama-3-8B": ((32, 32, 8, 128), 393002.1, 1.101e7, 256),
+    "Llama-3-8B": ((32, 32, 8, 128), 393258.1, 1.101e7, 256),
     # python bench/python/bench_job.py --tokens 256 --batches 4 --flush-batches 4
-    "Llama-3-70B": ((80, 64, 8, 128), 1631157.2, 5.323e7, 1024),
+    "Llama-3-70B": ((80, 64, 8, 128), 1638453.4, 5.323e7, 1024),
     # python bench/python/bench_job.py --geometry llama3-405b --tokens 64 --batches 2 --flush-batches 2
-    "Llama-3-405B": ((126, 128, 8, 128), 4632394.6, 1.187e8, 128),
+    "Llama-3-405B": ((126, 128, 8, 128), 4645195.1, 1.187e8, 128),
 }
 # Measured, llama3-70b, --tokens 256 --batches 4 --flush-batches 4 (the
 # largest batches measured; smaller batches cost more per value, most of all
 # in local mode: see docs/scaling.md):
-PRODUCER_CPU_S_PER_M = {"in-band": 0.0050, "local": 0.0019}
-WORKER_CPU_S_PER_M_IN_BAND = 6.21 / 3355.4  # worker CPU s / M values, same run
-# local: worker CPU s (1.48, from its start to the last close) per byte of the
-# 8 ImportStateRequests it took (212931616 bytes), same run
-WORKER_S_PER_IMPORTED_BYTE = 1.48 / 212931616
+PRODUCER_CPU_S_PER_M = {"in-band": 0.0033, "local": 0.0019}
+WORKER_CPU_S_PER_M_IN_BAND = 6.25 / 3355.4  # worker CPU s / M values, same run
+# local: the workers' CPU s (1.46, from their start to the last close) per byte
+# of the 8 flush messages they took (212931616 bytes), same run
+WORKER_S_PER_IMPORTED_BYTE = 1.46 / 212931616
 # ASSUMED, not measured here: the CUDA accumulate's rate for bf16 with 16
 # bins per octave + tail, 972 GB/s = 486 G values/s, recorded on an H200 in
 # bench/README.md ("Measured on an NVIDIA H200 (2026-12-04)"); the sessions
