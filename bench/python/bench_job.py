@@ -3,7 +3,7 @@ W kvcal-worker processes on loopback, in-band and with local statistics
 side by side in one run (issue 27).
 
     python bench/python/bench_job.py                       # the ./run bench scale
-    python bench/python/bench_job.py --tokens 32 --batches 8 --flush-batches 4
+    python bench/python/bench_job.py --tokens 256 --batches 4 --flush-batches 4   # docs/scaling.md
 
 Geometry (--geometry, default llama3-70b): 80 layers, 64 q / 8 k / 8 v
 heads, head_dim 128, bf16: 819,200 values per token. Activations
@@ -32,12 +32,13 @@ Per mode it prints:
                     sent (wire_bytes(): IngestRequests, resends included;
                     the local-statistics flushes), over the tokens of all
                     producers; gRPC/HTTP/2 framing (a few bytes per
-                    message) not counted;
+                    message) not counted; an in-band count below 2 bytes
+                    per value stops the run (a lost count);
   CPU s/M values    user+sys CPU seconds of the producer processes (all
                     their threads, gRPC's included), measured with
                     getrusage around put()/close() only (close waits until
-                    the worker applied everything: the last ImportState, the
-                    last chunk), per million values put;
+                    the worker applied everything: the last flush, the last
+                    chunk), per million values put;
   values/s          all values of all producers over the wall time from the
                     first producer's first put() to the last producer's
                     close() returning (every value applied on a worker);
