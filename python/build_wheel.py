@@ -1,5 +1,6 @@
-"""Builds the kvcal wheel that carries the worker: `./run wheel` runs this
-with the tools environment .venv-wheel (python/wheel-build-requirements.txt).
+"""Builds the kvcal wheel that carries the worker and the statistics
+engine: `./run wheel` runs this with the tools environment .venv-wheel
+(python/wheel-build-requirements.txt).
 
     python python/build_wheel.py --build-dir build --out dist
 
@@ -7,27 +8,36 @@ with the tools environment .venv-wheel (python/wheel-build-requirements.txt).
    repository's VERSION and proto/kvcal/v1/calibration.proto beside it, the
    build's client/kvcal and service/kvcal-worker in kvcal/bin/ (debug
    sections stripped: they are most of a RelWithDebInfo binary's size; RPATH
-   $ORIGIN/../lib) and, in kvcal/lib/, the libraries they load that
+   $ORIGIN/../lib), the build's extension module kvcal._engine as
+   kvcal/_engine<suffix> (python/ext/; stripped the same way; RPATH
+   $ORIGIN/lib; the file BUILD/python/ext/engine.txt, which CMake writes
+   at every configure, names it, or says why this build has none, which
+   stops the wheel here) and, in kvcal/lib/, the libraries they load that
    auditwheel would leave to the system as part of the manylinux baseline
    (its policy's whitelist less glibc: libstdc++.so.6, libgcc_s.so.1,
    libz.so.1): carried here, the wheel needs nothing but glibc.
 2. `pip wheel` on the staging copy (no index, no dependencies, no build
    isolation: the tools environment has setuptools and grpcio-tools): a
-   py3-none-linux_<arch> wheel (setup.py: executables, no extension).
-3. `auditwheel repair`: copies every other shared library the binaries need
-   (gRPC, protobuf, Abseil, OpenSSL, c-ares, re2, ...) into kvcal.libs/,
-   puts it first in the binaries' RPATH (keeping $ORIGIN/../lib, which
-   points inside the wheel) and tags the wheel with the oldest
-   manylinux_2_X that the symbol versions of every ELF file in it allow,
-   kvcal/lib's included.
+   py3-none-linux_<arch> wheel (setup.py). py3-none although it holds a
+   CPython extension: the binaries and the console scripts work with any
+   Python 3, and only kvcal._engine (kvcal.LocalStatistics, local
+   statistics) is for the one CPython the build was made with; another
+   Python installs the wheel and gets an ImportError from
+   kvcal.local_statistics.load_engine() naming both versions.
+3. `auditwheel repair`: copies every other shared library the binaries and
+   the extension need (gRPC, protobuf, Abseil, OpenSSL, c-ares, re2, ...)
+   into kvcal.libs/, adds it to their RPATH (after $ORIGIN/../lib or
+   $ORIGIN/lib, which it keeps since they point inside the wheel) and tags
+   the wheel with the oldest manylinux_2_X that the symbol versions of
+   every ELF file in it allow, kvcal/lib's included.
 4. Writes OUT/kvcal-VERSION-py3-none-manylinux_2_X_<arch>.whl, replacing
    an older wheel of the same version there, and prints a JSON summary.
 
 The CUDA runtime is linked statically (kernels/cuda/CMakeLists.txt) and
 loads the driver (libcuda.so.1) with dlopen when a CUDA session starts: a
-binary with a DT_NEEDED on libcuda, libcudart, libcudnn or libnvrtc is
-refused in step 1, since the wheel's CPU backend must start on a machine
-without them.
+binary or extension with a DT_NEEDED on libcuda, libcudart, libcudnn or
+libnvrtc is refused in step 1, since the wheel's CPU backend must start on
+a machine without them.
 """
 import argparse
 import glob
@@ -105,9 +115,41 @@ def resolved_libraries(binary):
     return out
 
 
+def check_no_gpu_libs(path):
+    for lib in needed(path):
+        if lib.startswith(GPU_LIBS):
+            die(f"{path} needs {lib} at load time (DT_NEEDED); the wheel's CPU "
+                "backend must start without the GPU stack: link the CUDA runtime "
+                "statically and load such libraries with dlopen")
+
+
+def engine_module(build_dir):
+    """The extension module this build made (BUILD/python/ext/engine.txt,
+    written by CMake at every configure): (path, python). Stops the wheel,
+    saying why, when the build has none."""
+    info = os.path.join(build_dir, "python", "ext", "engine.txt")
+    if not os.path.isfile(info):
+        die(f"{info} is missing: configure {build_dir} again (./run build); the wheel "
+            "carries the extension kvcal._engine, and that file names it")
+    with open(info) as f:
+        lines = f.read().splitlines()
+    if lines[:1] != ["built"]:
+        why = lines[1] if len(lines) > 1 else "no reason given"
+        die(f"the build in {build_dir} has no Python extension kvcal._engine ({why}), "
+            "and the wheel carries it (kvcal.LocalStatistics): build it with "
+            "-DKVCAL_PYTHON_EXT=AUTO or ON, pybind11-dev and python3-dev (./run installs "
+            "both), in a build without KVCAL_STATIC_RUNTIME, sanitizers or fuzzing")
+    path, python = lines[1], f"Python {lines[2]}" if len(lines) > 2 else "its Python"
+    if not os.path.isfile(path):
+        die(f"{path} (kvcal._engine, named by {info}) is missing: build it first "
+            "(./run build)")
+    return path, python
+
+
 def stage(build_dir, staging, patchelf):
     ignore = shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.pyc",
-                                    "bin", "lib", "_version.py", "calibration_pb2*")
+                                    "bin", "lib", "_version.py", "calibration_pb2*",
+                                    "_engine*")  # only the build's own module goes in
     shutil.copytree(PYTHON_DIR, staging, ignore=ignore)
     shutil.copyfile(os.path.join(ROOT, "VERSION"), os.path.join(staging, "VERSION"))
     proto = os.path.join(staging, "proto", "kvcal", "v1")
@@ -118,21 +160,26 @@ def stage(build_dir, staging, patchelf):
     lib_dir = os.path.join(staging, "kvcal", "lib")
     os.makedirs(bin_dir)
     os.makedirs(lib_dir)
+    engine, python = engine_module(build_dir)  # first: a build without it stops here
     runtime = {}
     for name, subdir in BINARIES.items():
         src = os.path.join(build_dir, subdir, name)
         if not os.access(src, os.X_OK):
             die(f"{src} is missing: build it first (./run build)")
-        for lib in needed(src):
-            if lib.startswith(GPU_LIBS):
-                die(f"{src} needs {lib} at load time (DT_NEEDED); the wheel's CPU "
-                    "backend must start without the GPU stack: link the CUDA runtime "
-                    "statically and load such libraries with dlopen")
+        check_no_gpu_libs(src)
         runtime.update(resolved_libraries(src))
         dst = os.path.join(bin_dir, name)
         run(["objcopy", "--strip-debug", src, dst])
         run([patchelf, "--set-rpath", "$ORIGIN/../lib", dst])
         os.chmod(dst, 0o755)
+    check_no_gpu_libs(engine)
+    runtime.update(resolved_libraries(engine))
+    name = os.path.basename(engine)  # _engine<the build's Python's extension suffix>
+    dst = os.path.join(staging, "kvcal", name)
+    run(["objcopy", "--strip-debug", engine, dst])
+    run([patchelf, "--set-rpath", "$ORIGIN/lib", dst])
+    os.chmod(dst, 0o755)
+    log(f"carrying kvcal/{name} (for {python})")
     carried = sorted(set(runtime) & baseline_libraries())
     if "libstdc++.so.6" not in carried:
         die(f"ldd of the binaries shows no libstdc++.so.6: {sorted(runtime)}")
@@ -140,6 +187,7 @@ def stage(build_dir, staging, patchelf):
         shutil.copyfile(runtime[lib], os.path.join(lib_dir, lib))
         os.chmod(os.path.join(lib_dir, lib), 0o755)
     log(f"carrying {', '.join(carried)} in kvcal/lib")
+    return {"file": f"kvcal/{name}", "python": python}
 
 
 def main():
@@ -156,7 +204,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvcal-wheel-") as tmp:
         staging = os.path.join(tmp, "python")
-        stage(os.path.abspath(args.build_dir), staging, os.path.join(tools, "patchelf"))
+        engine = stage(os.path.abspath(args.build_dir), staging,
+                       os.path.join(tools, "patchelf"))
         plain = os.path.join(tmp, "plain")
         log(f"pip wheel (kvcal {version}, binaries from {args.build_dir})")
         run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
@@ -180,12 +229,16 @@ def main():
         libs = sorted(n for n in z.namelist()
                       if re.search(r"(\.libs|kvcal/lib)/[^/]+\.so", n))
         lib_bytes = sum(z.getinfo(n).file_size for n in libs)
+        if engine["file"] not in z.namelist():
+            die(f"{dest} lacks {engine['file']}")
+        engine["bytes"] = z.getinfo(engine["file"]).file_size
     glibc = ".".join(tag.split("_")[1:3])
     summary = {"wheel": dest, "bytes": os.path.getsize(dest), "platform_tag": tag,
                "glibc": glibc, "bundled_libraries": [os.path.basename(n) for n in libs],
-               "bundled_bytes": lib_bytes}
+               "bundled_bytes": lib_bytes, "engine": engine}
     log(f"wrote {dest} ({os.path.getsize(dest) / 1e6:.1f} MB; {tag}: glibc >= {glibc}; "
-        f"{len(libs)} bundled libraries, {lib_bytes / 1e6:.1f} MB unpacked)")
+        f"{len(libs)} bundled libraries, {lib_bytes / 1e6:.1f} MB unpacked; "
+        f"{engine['file']} for {engine['python']}, {engine['bytes'] / 1e6:.1f} MB)")
     print(json.dumps(summary))
 
 

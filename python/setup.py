@@ -12,11 +12,14 @@ CMake reads for `kvcal --version`); an sdist carries a copy next to this
 file. build_py writes it into kvcal/_version.py.
 
 With kvcal/bin/kvcal and kvcal/bin/kvcal-worker present (`./run wheel` puts
-them, and the C++ runtime in kvcal/lib/, into a staging copy of this
-directory, never into the checkout), they go into the wheel as package data,
-installed as platform files, and the wheel is tagged
-py3-none-<platform>: it carries no CPython extension, but executables for
-one platform. Without them the wheel is pure Python (py3-none-any).
+them, the extension module kvcal/_engine<suffix> and the C++ runtime in
+kvcal/lib/ into a staging copy of this directory, never into the checkout),
+they go into the wheel as package data, installed as platform files, and
+the wheel is tagged py3-none-<platform>: executables for one platform, which
+any Python 3 runs, and the statistics engine kvcal._engine for the one
+CPython it was built with (kvcal.local_statistics.load_engine() tells
+another Python so; see build_wheel.py). Without them the wheel is pure
+Python (py3-none-any).
 """
 import os
 import shutil
@@ -106,7 +109,8 @@ def _cmdclass():
             from wheel.bdist_wheel import bdist_wheel
 
         class PlatformWheel(bdist_wheel):
-            """Executables, no extension: py3-none-<platform>."""
+            """Executables (and kvcal._engine, needed by kvcal.LocalStatistics
+            alone): py3-none-<platform>."""
 
             def get_tag(self):
                 _, _, plat = super().get_tag()
@@ -127,6 +131,6 @@ if __name__ == "__main__":
         version=read_version(),
         cmdclass=_cmdclass(),
         distclass=BinaryDistribution if _has_binaries() else Distribution,
-        package_data={"kvcal": ["bin/*", "lib/*"]} if _has_binaries() else {},
+        package_data={"kvcal": ["bin/*", "lib/*", "_engine*"]} if _has_binaries() else {},
         install_requires=["grpcio>=1.60", _protobuf_requirement(), "numpy>=1.22"],
     )

@@ -35,7 +35,7 @@ applies at most once.
 
 Not here yet (issue 27): partial statistics on the wire while calibrating,
 kvcal.Producer(..., local_statistics=True), kvcal push / kvcal-calibrate
---local-statistics, and the module in the wheel.
+--local-statistics.
 """
 from __future__ import annotations
 
@@ -77,20 +77,31 @@ def _engine_dirs():
     return out
 
 
+def _cpython(suffix):
+    """'.cpython-311-x86_64-linux-gnu.so' -> 'CPython 3.11' (else the suffix)."""
+    import re
+
+    found = re.match(r"\.cpython-(\d)(\d+)", suffix)
+    return f"CPython {found.group(1)}.{found.group(2)}" if found else suffix
+
+
 def load_engine():
-    """The extension module kvcal._engine: installed with the package, or
-    from a checkout's build ($KVCAL_BUILD_DIR/python/ext, then
+    """The extension module kvcal._engine: installed with the package (the
+    wheel carries it, for the CPython the wheel was built with), or from a
+    checkout's build ($KVCAL_BUILD_DIR/python/ext, then
     <repo>/build/python/ext). ImportError naming where it looked."""
     global _engine_module
     if _engine_module is not None:
         return _engine_module
     try:
-        from kvcal import _engine  # noqa: an installed package that carries it
-
-        _engine_module = _engine
-        return _engine
-    except ImportError:
-        pass
+        _engine_module = importlib.import_module("kvcal._engine")  # the wheel's
+        return _engine_module
+    except ModuleNotFoundError as e:
+        if e.name != "kvcal._engine":
+            raise
+    # The package's own module, built for another Python (a py3-none wheel
+    # installed into another Python than the one it was built with).
+    carried = sorted(f for f in os.listdir(_PACKAGE_DIR) if f.startswith("_engine."))
     searched, others = [], []
     for what, directory in _engine_dirs():
         for suffix in importlib.machinery.EXTENSION_SUFFIXES:
@@ -105,14 +116,29 @@ def load_engine():
         searched.append(f"{directory} ({what})")
         if os.path.isdir(directory):
             others += [f for f in os.listdir(directory) if f.startswith("_engine.")]
+    if carried:
+        import platform
+
+        raise ImportError(
+            f"kvcal: this kvcal package carries the statistics engine kvcal._engine for "
+            f"{', '.join(_cpython(f[len('_engine'):]) for f in carried)} ({', '.join(carried)} "
+            f"in {_PACKAGE_DIR}), and this is {platform.python_implementation()} "
+            f"{platform.python_version()}, which loads "
+            f"_engine{importlib.machinery.EXTENSION_SUFFIXES[0]}. The kvcal and kvcal-worker "
+            "programs work with any Python 3; kvcal.LocalStatistics (local statistics) needs "
+            "the wheel installed into that Python, or the extension built for this one in a "
+            f"checkout: cmake -S . -B build-ext -G Ninja -DPython3_EXECUTABLE={sys.executable} "
+            "&& cmake --build build-ext --target kvcal_engine_module (needs this Python's "
+            "headers and pybind11), then KVCAL_BUILD_DIR=$PWD/build-ext; also searched: "
+            + "; ".join(searched) + ".")
     hint = (f"; found {', '.join(sorted(others))}, built for another Python than this one "
             f"({sys.version.split()[0]}, suffix {importlib.machinery.EXTENSION_SUFFIXES[0]})"
             if others else "")
     raise ImportError(
         "kvcal: the statistics engine extension kvcal._engine is not available; searched: "
         + "; ".join(searched) + hint + ". Build it with `./run build` (needs pybind11-dev and "
-        "python3-dev, which ./run installs) and set KVCAL_BUILD_DIR to the build directory; "
-        "the wheel does not carry it yet.")
+        "python3-dev, which ./run installs) and set KVCAL_BUILD_DIR to the build directory, "
+        "or install the wheel of `./run wheel`, which carries it.")
 
 
 def _role_number(role) -> int:

@@ -16,10 +16,14 @@ console scripts); `kvcal --version` / `kvcal-worker --version` (the
 VERSION file's), `kvcal-calibrate --help` and `kvcal demo` through the
 console scripts,
 with the demo's worker the wheel's own; the package imports from the fresh
-environment with no checkout path on sys.path; ldd of the installed
-binaries resolves every library other than glibc's inside the installed
-wheel; as root, the binaries also start in a chroot that holds glibc and
-nothing else, and `kvcal demo` runs there."""
+environment with no checkout path on sys.path; the wheel's statistics
+engine kvcal._engine (for this CPython) loads from the fresh environment and
+kvcal.LocalStatistics accumulates and exports with it, and a Python it was
+not built for gets load_engine()'s ImportError naming both versions; ldd of
+the installed binaries and of the extension resolves every library other
+than glibc's inside the installed wheel; as root, the binaries also start
+in a chroot that holds glibc and nothing else, and `kvcal demo` runs
+there."""
 import glob
 import json
 import os
@@ -125,7 +129,8 @@ def test_wheel_name_tag_and_metadata(wheel):
     assert "kvcal-worker = kvcal._binaries:main_worker" in entry_points
     assert "kvcal-calibrate = kvcal.calibrate:main" in entry_points
     for path in ("kvcal/bin/kvcal", "kvcal/bin/kvcal-worker", "kvcal/v1/calibration_pb2.py",
-                 "kvcal/v1/calibration_pb2_grpc.py", "kvcal/lib/libstdc++.so.6"):
+                 "kvcal/v1/calibration_pb2_grpc.py", "kvcal/lib/libstdc++.so.6",
+                 wheel["engine"]["file"]):
         assert path in names, path
     assert any(n.startswith("kvcal.libs/libgrpc++") for n in names)
     assert not any(n.split("/")[-1].startswith(("libcuda.", "libcudart", "libcudnn", "libnvrtc"))
@@ -185,6 +190,89 @@ def test_package_imports_from_the_fresh_environment(fresh):
     assert path.index(os.path.realpath(site)) < path.index(os.path.realpath(deps))
 
 
+def test_local_statistics_from_the_fresh_environment(fresh, wheel):
+    """kvcal.LocalStatistics with the wheel's own kvcal._engine: no
+    checkout build, no KVCAL_BUILD_DIR (the fixture's environment has none)."""
+    engine = "kvcal/_engine" + sysconfig.get_config_var("EXT_SUFFIX")
+    assert wheel["engine"]["file"] == engine, (
+        f"the wheel's extension is {wheel['engine']}, not one for this Python ({engine}): "
+        "the build's CMake found another Python than the tests run")
+    assert "KVCAL_BUILD_DIR" not in fresh["env"]
+    code = (
+        "import json, numpy as np, kvcal\n"
+        "from kvcal import local_statistics\n"
+        "local = kvcal.LocalStatistics({'num_layers': 2, 'num_attention_heads': 4,\n"
+        "  'num_key_value_heads': 2, 'head_dim': 8})\n"
+        "rng = np.random.default_rng(0)\n"
+        "local.accumulate(1, 'k', rng.standard_normal((16, 2, 8)).astype(np.float32), batch=0)\n"
+        "local.accumulate(0, 'q', rng.standard_normal((16, 4, 8)).astype(np.float16), batch=0)\n"
+        "state = local.export_state().SerializeToString()\n"
+        "print(json.dumps({'file': kvcal.__file__, 'backend': local.backend,\n"
+        "  'engine': local_statistics.load_engine().__file__,\n"
+        "  'counters': local.counters, 'state_bytes': len(state)}))\n")
+    proc = run_in(fresh, fresh["python"], "-c", code)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout)
+    site = fresh["site"]
+    assert got["file"] == os.path.join(site, "kvcal", "__init__.py")
+    assert got["engine"] == os.path.join(site, engine)
+    assert got["backend"] == "cpu"
+    assert got["counters"]["chunks_applied"] == 2
+    assert got["counters"]["values_ingested"] == 16 * 2 * 8 + 16 * 4 * 8
+    assert got["state_bytes"] > 0
+
+
+def test_engine_for_another_python_says_so(fresh, wheel, tmp_path):
+    """The wheel is py3-none: installed into a Python it was not built for,
+    the extension's file name does not match and load_engine() says which
+    CPython the wheel's engine is for and how to get one. Simulated with a
+    copy of the installed package whose module is renamed for CPython 3.99."""
+    site = fresh["site"]
+    copy = tmp_path / "other" / "kvcal"
+    shutil.copytree(os.path.join(site, "kvcal"), copy,
+                    ignore=shutil.ignore_patterns("bin", "lib", "_engine*"))
+    os.symlink(os.path.join(site, wheel["engine"]["file"]),
+               copy / "_engine.cpython-399-x86_64-linux-gnu.so")
+    code = ("import kvcal\n"
+            "from kvcal import local_statistics\n"
+            "assert kvcal.__file__.startswith(%r), kvcal.__file__\n"
+            "try:\n"
+            "    local_statistics.load_engine()\n"
+            "except ImportError as e:\n"
+            "    print(e)\n" % str(copy))
+    env = dict(fresh["env"], PYTHONPATH=str(copy.parent))
+    proc = subprocess.run([fresh["python"], "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=env, cwd=fresh["cwd"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    message = proc.stdout
+    assert "carries the statistics engine kvcal._engine for CPython 3.99" in message, message
+    assert f"this is CPython {sys.version.split()[0]}" in message, message
+    assert "kvcal and kvcal-worker programs work with any Python 3" in message, message
+    assert f"-DPython3_EXECUTABLE={fresh['python']}" in message, message
+
+
+def test_wheel_build_stops_without_the_engine(tmp_path):
+    """A build without kvcal._engine (here: engine.txt as CMake writes it
+    for KVCAL_PYTHON_EXT=OFF, beside the real binaries) makes no wheel and
+    says why, instead of leaving the module out."""
+    build = os.path.join(ROOT, "build")
+    fake = tmp_path / "build"
+    for name, subdir in (("kvcal", "client"), ("kvcal-worker", "service")):
+        (fake / subdir).mkdir(parents=True)
+        os.symlink(os.path.join(build, subdir, name), fake / subdir / name)
+    (fake / "python" / "ext").mkdir(parents=True)
+    (fake / "python" / "ext" / "engine.txt").write_text("not built\nKVCAL_PYTHON_EXT=OFF\n")
+    tools = os.path.join(ROOT, ".venv-wheel", "bin", "python")
+    proc = subprocess.run([tools, os.path.join(ROOT, "python", "build_wheel.py"),
+                           "--build-dir", str(fake), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=TIMEOUT,
+                          env=dict(os.environ, PIP_NO_INDEX="1"))
+    assert proc.returncode == 1, proc.stderr
+    assert (f"the build in {fake} has no Python extension kvcal._engine "
+            "(KVCAL_PYTHON_EXT=OFF)") in proc.stderr, proc.stderr
+    assert glob.glob(str(tmp_path / "out" / "*.whl")) == []
+
+
 def ldd(path):
     out = subprocess.run(["ldd", path], capture_output=True, text=True, check=True).stdout
     libs = {}
@@ -198,7 +286,7 @@ def ldd(path):
     return libs
 
 
-def test_every_library_but_glibc_comes_from_the_wheel(fresh):
+def test_every_library_but_glibc_comes_from_the_wheel(fresh, wheel):
     site = os.path.realpath(fresh["site"])
     for name in ("kvcal", "kvcal-worker"):
         libs = ldd(os.path.join(site, "kvcal", "bin", name))
@@ -209,6 +297,15 @@ def test_every_library_but_glibc_comes_from_the_wheel(fresh):
         assert any("kvcal.libs" in where for where in libs.values())
         assert os.path.realpath(libs["libstdc++.so.6"]) == os.path.join(
             site, "kvcal", "lib", "libstdc++.so.6")
+    # The extension: Abseil from kvcal.libs, the C++ runtime from kvcal/lib
+    # (when no other libstdc++ is loaded in the process first).
+    libs = ldd(os.path.join(site, wheel["engine"]["file"]))
+    assert "not found" not in "".join(libs.values()), libs
+    outside = {lib: where for lib, where in libs.items()
+               if lib not in GLIBC and not os.path.realpath(where).startswith(site + os.sep)}
+    assert outside == {}, f"kvcal._engine loads from outside the wheel: {outside}"
+    assert os.path.realpath(libs["libstdc++.so.6"]) == os.path.join(
+        site, "kvcal", "lib", "libstdc++.so.6")
 
 
 def test_demo_runs_with_glibc_alone(fresh, tmp_path):
