@@ -89,6 +89,7 @@ CLI::App* AddCalibrateCommand(CLI::App& app, Args& a) {
       ->capture_default_str();
   sub->add_flag("--shm", a.shm,
                 "same-host shared memory for the push (see push --shm)");
+  AddLocalStatisticsFlags(sub, a);
   sub->add_flag("--resume", a.resume,
                 "continue an interrupted run of the same --session and dump: "
                 "the session is reused and the push skips what the workers "

@@ -35,6 +35,8 @@ Json PushJson(const PushSummary& p) {
           {"chunks_applied", p.upload.chunks_applied},
           {"chunks_duplicate", p.upload.chunks_duplicate},
           {"bytes", p.upload.bytes},
+          {"local_statistics_messages", p.upload.partials},
+          {"local_statistics_bytes", p.upload.partial_bytes},
           {"reconnects", p.upload.reconnects},
           {"shared_memory", p.upload.shared_memory},
           {"seconds", seconds},
@@ -57,6 +59,12 @@ std::string PushText(const PushSummary& p) {
              p.upload.chunks_applied, p.upload.chunks_duplicate,
              p.upload.chunks_skipped, p.upload.reconnects,
              p.upload.shared_memory ? "; by shared memory" : "") +
+         (p.upload.partials > 0
+              ? absl::StrFormat(
+                    "  of them %u local-statistics messages (%.1f MiB) "
+                    "instead of the activations' chunks\n",
+                    p.upload.partials, p.upload.partial_bytes / 1048576.0)
+              : "") +
          NonFiniteText(p);
 }
 
@@ -209,6 +217,7 @@ CLI::App* AddPushCommand(CLI::App& app, Args& a) {
                 "same-host shared memory: send chunks as references into a "
                 "shared-memory ring the worker maps (in-band when the worker "
                 "is on another host; docs/shared_memory.md)");
+  AddLocalStatisticsFlags(sub, a);
   sub->add_option("--holdout-batches", a.holdout_batches,
                   "send the last N batches of the dump as held out: the "
                   "worker keeps them for `finalize --evaluate` and "

@@ -82,6 +82,9 @@ struct Args {
   size_t window = UploaderOptions{}.window;  // docs/producers.md
   bool resume = false;
   bool shm = false;
+  // --local-statistics (0: off) / --flush-batches.
+  bool local_statistics = false;
+  uint64_t flush_batches = 0;
   uint64_t holdout_batches = 0;
   uint64_t holdout_budget_bytes = 0;
   bool reject_non_finite = false;
@@ -141,6 +144,8 @@ absl::StatusOr<CalibrationClient> Connect(const ConnectionArgs& c);
 absl::StatusOr<v1::FinalizeRequest> MakeFinalizeRequest(
     const FinalizeArgs& f, const std::string& session);
 UploaderOptions MakeUploaderOptions(const Args& a);
+// push's and calibrate's --local-statistics and --flush-batches.
+void AddLocalStatisticsFlags(CLI::App* sub, Args& a);
 // `patch` and `calibrate`'s PatchOptions: --checkpoint, --out-dir,
 // --lock-timeout and the parsed --target, with no callbacks and no lock.
 PatchOptions MakePatchOptions(const Args& a, PatchTarget target,

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/cli/kvcal_cli.h"
 #include "client/rpc/connection.h"
+#include "client/rpc/local_partials.h"
 #include "kernels/scale_math.h"
 #include "proto/names.h"
 #include "util/cli.h"
@@ -181,7 +182,27 @@ UploaderOptions MakeUploaderOptions(const Args& a) {
   o.window = a.window;
   o.resume = a.resume;
   o.shared_memory = a.shm;
+  if (a.local_statistics) {
+    o.local_statistics_batches =
+        a.flush_batches == 0 ? 64 : a.flush_batches;  // as the Python producer
+    o.build_partials = BuildPartials;
+  }
   return o;
+}
+
+void AddLocalStatisticsFlags(CLI::App* sub, Args& a) {
+  CLI::Option* local = sub->add_flag(
+      "--local-statistics", a.local_statistics,
+      "accumulate the statistics here, with the worker's engine, and send "
+      "them instead of the activations: one message per --flush-batches "
+      "batches per worker (held-out batches still go as chunks; "
+      "docs/local-statistics.md)");
+  sub->add_option("--flush-batches", a.flush_batches,
+                  "with --local-statistics: batches per statistics message "
+                  "(default 64)")
+      ->check(cli::InRange(
+          cli::IntRange{1, std::numeric_limits<uint64_t>::max(), ""}))
+      ->needs(local);
 }
 
 PatchOptions MakePatchOptions(const Args& a, PatchTarget target,

@@ -24,12 +24,28 @@
 #include "absl/strings/str_split.h"
 #include "client/checkpoint/safetensors.h"
 #include "client/rpc/sharding.h"
+#include "proto/wire_enums.h"
 #include "util/host_port.h"
 #include "util/status_macros.h"
 #include "util/strings.h"
 
 namespace kvcal {
 namespace {
+
+// The engine's geometry of a session as a worker reports it.
+Geometry SessionGeometry(const v1::Session& s) {
+  Geometry g;
+  g.num_layers = s.num_layers();
+  g.num_attention_heads = s.num_attention_heads();
+  g.num_key_value_heads = s.num_key_value_heads();
+  g.head_dim = s.head_dim();
+  g.bins_per_octave = s.histogram_bins_per_octave();
+  g.role_mask = 0;
+  for (int r : s.roles()) {
+    g.role_mask |= 1u << RoleIndex(FromWire(static_cast<v1::Role>(r)));
+  }
+  return g;
+}
 
 constexpr absl::Duration kRpcTimeout = absl::Seconds(60);
 
@@ -520,8 +536,9 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
   options.session_id = session_id;
   if (!options.counters) options.counters = std::make_shared<UploadCounters>();
   // Waits for workers that are coming up, as the uploaders would.
-  KVCAL_RETURN_IF_ERROR(
-      CheckSessionWorkers(session_id, /*wait_for_ready=*/true).status());
+  KVCAL_ASSIGN_OR_RETURN(
+      const v1::Session session,
+      CheckSessionWorkers(session_id, /*wait_for_ready=*/true));
   if (sharded()) options.shard_worker_ids = ids_;
   std::vector<std::vector<ChunkView>> per_worker(workers_.size());
   for (const ChunkView& c : chunks) {
@@ -534,6 +551,27 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
     KVCAL_RETURN_IF_ERROR(
         CheckProducerIsNew(session_id, options.producer_id, per_worker));
   }
+  // Local statistics: each worker's tensors of calibration batches become
+  // that worker's partials; only held-out ones stay chunks.
+  std::vector<std::vector<PartialUpload>> partials(workers_.size());
+  if (options.local_statistics_batches > 0) {
+    if (!options.build_partials) {
+      return absl::InvalidArgumentError(
+          "local statistics need UploaderOptions::build_partials "
+          "(kvcal_local_partials' BuildPartials)");
+    }
+    const Geometry geometry = SessionGeometry(session);
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      KVCAL_ASSIGN_OR_RETURN(
+          partials[i],
+          options.build_partials(geometry, session.reject_non_finite(),
+                                 per_worker[i], options.holdout_batches,
+                                 options.local_statistics_batches));
+      std::erase_if(per_worker[i], [&](const ChunkView& c) {
+        return options.holdout_batches.count(c.batch) == 0;
+      });
+    }
+  }
   // Where a worker was found again under a new address (per worker; each
   // upload thread writes only its own).
   std::vector<std::string> moved_to(workers_.size());
@@ -541,7 +579,7 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
       workers_.size(), absl::StatusOr<UploadResult>(UploadResult{}));
   std::vector<std::thread> threads;
   for (size_t i = 0; i < workers_.size(); ++i) {
-    if (per_worker[i].empty()) continue;
+    if (per_worker[i].empty() && partials[i].empty()) continue;
     threads.emplace_back([&, i] {
       UploaderOptions mine = options;
       mine.relocate = [this, i, &moved_to]() {
@@ -551,7 +589,7 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
             &moved_to[i]);
       };
       Uploader uploader(workers_[i].channel, options_, std::move(mine));
-      results[i] = uploader.Upload(per_worker[i]);
+      results[i] = uploader.Upload(per_worker[i], partials[i]);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -581,6 +619,8 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
     total.chunks_applied += r.chunks_applied;
     total.chunks_duplicate += r.chunks_duplicate;
     total.bytes += r.bytes;
+    total.partials += r.partials;
+    total.partial_bytes += r.partial_bytes;
     total.reconnects += r.reconnects;
     if (!per_worker[i].empty()) {
       any = true;

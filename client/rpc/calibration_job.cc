@@ -108,11 +108,22 @@ absl::StatusOr<PushSummary> PushDump(CalibrationClient& client,
   }
   std::vector<ChunkView> chunks;
   uint64_t total_chunks = 0;
+  // With local statistics: the calibration batches each worker gets, which
+  // become ceil(batches / N) messages per worker.
+  std::vector<std::set<uint64_t>> local_batches(client.worker_count());
   for (const DumpTensor& t : dump.tensors()) {
     chunks.push_back(t.View());
-    total_chunks += SplitChunk(chunks.back(), options.max_chunk_bytes,
-                               options.holdout_batches.count(t.batch) > 0)
-                        .size();
+    const bool holdout = options.holdout_batches.count(t.batch) > 0;
+    if (options.local_statistics_batches > 0 && !holdout) {
+      local_batches[client.WorkerFor(session_id, t.layer)].insert(t.batch);
+      continue;
+    }
+    total_chunks +=
+        SplitChunk(chunks.back(), options.max_chunk_bytes, holdout).size();
+  }
+  for (const std::set<uint64_t>& batches : local_batches) {
+    const uint64_t n = options.local_statistics_batches;
+    if (n > 0) total_chunks += (batches.size() + n - 1) / n;
   }
   if (!options.counters) options.counters = std::make_shared<UploadCounters>();
   summary.files = dump.file_count();

@@ -84,6 +84,24 @@ v1::IngestRequest MakeRequest(const ChunkView& chunk, uint64_t sequence,
   return request;
 }
 
+v1::IngestRequest MakePartialRequest(const PartialUpload& partial,
+                                     uint64_t sequence,
+                                     const UploaderOptions& options) {
+  v1::IngestRequest request;
+  request.set_session_id(options.session_id);
+  request.set_producer_id(options.producer_id);
+  request.set_sequence(sequence);
+  v1::PartialStatistics* p = request.mutable_partial_statistics();
+  p->set_statistics(partial.statistics);
+  p->set_tensors(partial.tensors);
+  p->set_values(partial.values);
+  p->set_bytes(partial.bytes);
+  for (const std::string& id : options.shard_worker_ids) {
+    request.add_shard_worker_ids(id);
+  }
+  return request;
+}
+
 }  // namespace
 
 std::vector<ChunkView> SplitChunk(const ChunkView& chunk, size_t max_bytes,
@@ -228,13 +246,15 @@ absl::StatusOr<uint64_t> Uploader::Watermark(bool wait_for_ready) {
 // durable wait (which may send again after a worker restart).
 class Uploader::Run {
  public:
-  Run(Uploader& uploader, absl::Span<const ChunkView> tensors)
+  Run(Uploader& uploader, absl::Span<const ChunkView> tensors,
+      absl::Span<const PartialUpload> partials)
       : uploader_(uploader),
         options_(uploader.options_),
         counters_(*options_.counters),
         who_(absl::StrCat("session ", options_.session_id, ", producer ",
                           options_.producer_id)),
         backoff_(options_.initial_backoff) {
+    partials_ = partials;
     for (const ChunkView& t : tensors) {
       for (ChunkView& part :
            SplitChunk(t, options_.max_chunk_bytes,
@@ -242,13 +262,20 @@ class Uploader::Run {
         chunks_.push_back(std::move(part));
       }
     }
-    n_ = chunks_.size();
+    n_ = chunks_.size() + partials_.size();
     bytes_before_.assign(n_ + 1, 0);
     for (uint64_t i = 0; i < n_; ++i) {
-      bytes_before_[i + 1] = bytes_before_[i] + chunks_[i].data.size();
+      bytes_before_[i + 1] =
+          bytes_before_[i] + (i < chunks_.size()
+                                  ? chunks_[i].data.size()
+                                  : partials_[i - chunks_.size()].bytes);
     }
     result_.chunks = n_;
     result_.bytes = bytes_before_[n_];
+    result_.partials = partials_.size();
+    for (const PartialUpload& p : partials_) {
+      result_.partial_bytes += p.statistics.size();
+    }
   }
 
   absl::StatusOr<UploadResult> Go() {
@@ -363,7 +390,10 @@ class Uploader::Run {
           if (stop) return;
         }
         if (!stream->Write(
-                MakeRequest(chunks_[seq - 1], seq, options_, ring_.get())))
+                seq <= chunks_.size()
+                    ? MakeRequest(chunks_[seq - 1], seq, options_, ring_.get())
+                    : MakePartialRequest(partials_[seq - 1 - chunks_.size()],
+                                         seq, options_)))
           return;
         ++sent;
       }
@@ -537,6 +567,7 @@ class Uploader::Run {
   UploadCounters& counters_;
   const std::string who_;
   std::vector<ChunkView> chunks_;
+  absl::Span<const PartialUpload> partials_;  // numbered after chunks_
   uint64_t n_ = 0;
   // bytes_before_[s] = data bytes of chunks 1..s.
   std::vector<uint64_t> bytes_before_;
@@ -557,8 +588,9 @@ class Uploader::Run {
 };
 
 absl::StatusOr<UploadResult> Uploader::Upload(
-    absl::Span<const ChunkView> tensors) {
-  return Run(*this, tensors).Go();
+    absl::Span<const ChunkView> tensors,
+    absl::Span<const PartialUpload> partials) {
+  return Run(*this, tensors, partials).Go();
 }
 
 }  // namespace kvcal

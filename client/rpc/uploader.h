@@ -14,6 +14,9 @@
 // returns once the worker acknowledged chunk N, or with a status saying what
 // failed and at which sequence.
 //
+// Local-statistics messages (PartialUpload) follow the chunks in the same
+// numbering and are resent, resumed and waited for like them.
+//
 // Numbering is deterministic, so a push that died can be run again with
 // `resume`: chunks at or below the producer's watermark are skipped. Without
 // `resume`, a producer that already has chunks applied is refused, since its
@@ -43,6 +46,16 @@ struct UploadCounters {
   std::atomic<uint64_t> chunks_acked{0};
   std::atomic<uint64_t> bytes_acked{0};
   std::atomic<uint64_t> reconnects{0};
+};
+
+// One local-statistics message: what BuildPartials made of a group of
+// batches, numbered after the upload's chunks.
+struct PartialUpload {
+  std::string statistics;  // SessionStatistics::Serialize()
+  uint64_t tensors = 0;    // what the session's counters grow by
+  uint64_t values = 0;
+  uint64_t bytes = 0;  // data bytes of the tensors it covers
+  uint64_t first_batch = 0, last_batch = 0;
 };
 
 struct UploaderOptions {
@@ -91,6 +104,22 @@ struct UploaderOptions {
   // one line goes to stderr and the chunks go in-band. After a reconnect
   // the region is registered again.
   bool shared_memory = false;
+  // Local statistics (docs/local-statistics.md): > 0 makes
+  // CalibrationClient::Upload accumulate the tensors of batches that are not
+  // held out in this process, with the worker's engine, and send each
+  // worker one partial-statistics message (IngestRequest.
+  // partial_statistics) per this many batches (in ascending batch order)
+  // instead of their chunks. Held-out batches still go as chunks, first.
+  uint64_t local_statistics_batches = 0;
+  // Makes one worker's partials of its tensors (with every argument below):
+  // BuildPartials of kvcal_local_partials (client/rpc/local_partials.h),
+  // given by the caller so that this library stays free of the engine's
+  // backends. Required with local_statistics_batches.
+  std::function<absl::StatusOr<std::vector<PartialUpload>>(
+      const Geometry& geometry, bool reject_non_finite,
+      absl::Span<const ChunkView> tensors,
+      const std::set<uint64_t>& holdout_batches, uint64_t batches_per_partial)>
+      build_partials;
 };
 
 struct UploadResult {
@@ -100,6 +129,10 @@ struct UploadResult {
   uint64_t chunks_applied = 0;    // acked with applied = true
   uint64_t chunks_duplicate = 0;  // acked with applied = false
   uint64_t bytes = 0;             // data bytes of all N chunks
+  // Of the chunks, local-statistics messages and the bytes they carried
+  // (UploaderOptions::local_statistics_batches).
+  uint64_t partials = 0;
+  uint64_t partial_bytes = 0;
   uint64_t reconnects = 0;
   // Chunks went by shared-memory reference (UploaderOptions::shared_memory
   // and the worker accepted the region); else why not, when it was asked.
@@ -121,8 +154,10 @@ class Uploader {
   Uploader(std::shared_ptr<grpc::Channel> channel, ConnectionOptions connection,
            UploaderOptions options);
 
+  // `partials` are numbered after the chunks of `tensors`.
   [[nodiscard]] absl::StatusOr<UploadResult> Upload(
-      absl::Span<const ChunkView> tensors);
+      absl::Span<const ChunkView> tensors,
+      absl::Span<const PartialUpload> partials = {});
 
  private:
   struct ProducerState {

@@ -33,9 +33,10 @@ by summation order. It has no producer watermarks (nothing here is
 sequenced): import it once per producer with an import_id, which the worker
 applies at most once.
 
-Not here yet (issue 27): partial statistics on the wire while calibrating,
-kvcal.Producer(..., local_statistics=True), kvcal push / kvcal-calibrate
---local-statistics.
+export_statistics() returns the statistics alone: what a local-statistics
+producer (kvcal.Producer(..., local_statistics=True), kvcal push
+--local-statistics) sends as IngestRequest.partial_statistics, numbered in
+its own sequence (exactly once, durable and resumable like a chunk).
 """
 from __future__ import annotations
 
