@@ -48,14 +48,16 @@ class LocalFlushes:
     def __init__(self, client: Client, session_id: str, producer_id: str,
                  send: Callable[[pb.PartialStatistics], None], *,
                  flush_batches: int = DEFAULT_FLUSH_BATCHES,
-                 flush_seconds: Optional[float] = None):
+                 flush_seconds: Optional[float] = None, backend: str = "cpu",
+                 device: int = 0):
         self.client = client
         self.session_id = session_id
         self.producer_id = producer_id
         self.flush_batches = int(flush_batches)
         self.flush_seconds = None if flush_seconds is None else float(flush_seconds)
         self._send = send
-        self.local = LocalStatistics.for_session(client, session_id)
+        self.local = LocalStatistics.for_session(client, session_id, backend=backend,
+                                                 device=device)
         self.flushes = 0  # partial-statistics messages queued
         self.flush_bytes = 0  # bytes of their statistics
         self._batches: Set[int] = set()  # batch numbers in the local state

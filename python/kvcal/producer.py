@@ -117,14 +117,21 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusC
 def _check_options(chunk_bytes=4 << 20, max_pending_chunks=1024, max_pending_bytes=512 << 20,
                    window=DEFAULT_WINDOW, start_sequence=None, reconnect_timeout=120.0,
                    durable_timeout=120.0, local_statistics=False, flush_batches=None,
-                   flush_seconds=None, **_):
+                   flush_seconds=None, local_backend=None, local_device=None, **_):
     """The numeric arguments of Producer, checked before it connects, with
     the CLI's ranges for chunk_bytes and window (push --chunk-bytes,
     --window): a ValueError naming the argument and what is valid."""
     if flush_batches is not None and not local_statistics:
         raise ValueError("kvcal: Producer: flush_batches is for local_statistics=True")
-    if flush_seconds is not None and not local_statistics:
-        raise ValueError("kvcal: Producer: flush_seconds is for local_statistics=True")
+    for name, value in (("flush_seconds", flush_seconds), ("local_backend", local_backend),
+                        ("local_device", local_device)):
+        if value is not None and not local_statistics:
+            raise ValueError(f"kvcal: Producer: {name} is for local_statistics=True")
+    if local_backend is not None and local_backend not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"kvcal: Producer local_backend={local_backend!r}: want 'cpu', 'cuda' "
+                         f"or 'auto'")
+    if local_device is not None:
+        _args.check_int("Producer", "local_device", local_device, _args.IntRange(0, 1 << 16))
     if flush_batches is not None:
         _args.check_int("Producer", "flush_batches", flush_batches, _args.IntRange(1, None))
     _args.check_timeout("Producer", "flush_seconds", flush_seconds)
@@ -454,12 +461,14 @@ class WorkerProducer(_ProducerBase):
                  resume: bool = False,
                  reconnect_timeout: float = 120.0, durable_timeout: float = 120.0,
                  shared_memory: bool = False, local_statistics: bool = False,
-                 flush_batches: Optional[int] = None, flush_seconds: Optional[float] = None):
+                 flush_batches: Optional[int] = None, flush_seconds: Optional[float] = None,
+                 local_backend: Optional[str] = None, local_device: Optional[int] = None):
         _check_options(chunk_bytes=chunk_bytes, max_pending_chunks=max_pending_chunks,
                        max_pending_bytes=max_pending_bytes, window=window,
                        start_sequence=start_sequence, reconnect_timeout=reconnect_timeout,
                        durable_timeout=durable_timeout, local_statistics=local_statistics,
-                       flush_batches=flush_batches, flush_seconds=flush_seconds)
+                       flush_batches=flush_batches, flush_seconds=flush_seconds,
+                       local_backend=local_backend, local_device=local_device)
         workers = getattr(client, "workers", None)
         if workers is not None:
             raise ValueError(f"kvcal: a WorkerProducer streams to one worker and this client has "
@@ -524,13 +533,15 @@ class WorkerProducer(_ProducerBase):
         self._next_sequence = int(start_sequence)
         self._acked = self._durable = self._next_sequence - 1
         self._wire_bytes = 0  # serialized IngestRequests sent (resends included)
-        self._local = self._make_local(local_statistics, flush_batches, flush_seconds)
+        self._local = self._make_local(local_statistics, flush_batches, flush_seconds,
+                                       local_backend, local_device)
         self._thread = threading.Thread(target=self._run, name=f"kvcal-producer-{self.producer_id}",
                                         daemon=True)
         self._thread.start()
 
     def _make_local(self, local_statistics: bool, flush_batches: Optional[int],
-                    flush_seconds: Optional[float]):
+                    flush_seconds: Optional[float], backend: Optional[str],
+                    device: Optional[int]):
         """local_statistics=True: the LocalFlushes that put() hands the batches
         that are not held out to, instead of sending them; else None."""
         if not local_statistics:
@@ -540,7 +551,7 @@ class WorkerProducer(_ProducerBase):
         return LocalFlushes(
             self.client, self.session_id, self.producer_id, self._put_partial,
             flush_batches=DEFAULT_FLUSH_BATCHES if flush_batches is None else flush_batches,
-            flush_seconds=flush_seconds)
+            flush_seconds=flush_seconds, backend=backend or "cpu", device=device or 0)
 
     # -- producer side ---------------------------------------------------------
     @property
@@ -1194,7 +1205,7 @@ def Producer(client: Client, session_id: Optional[str] = None, producer_id: str 
     arguments (chunk_bytes, max_pending_chunks, max_pending_bytes, window,
     keep_until_durable, start_sequence, resume, reconnect_timeout,
     durable_timeout, shared_memory, local_statistics, flush_batches,
-    flush_seconds). Both
+    flush_seconds, local_backend, local_device). Both
     types have the same methods: put, new_batch, flush, close, stats, and
     use as a context manager.
 
@@ -1205,7 +1216,11 @@ def Producer(client: Client, session_id: Optional[str] = None, producer_id: str 
     flush() and at close() the state becomes the producer's next numbered
     message (partial statistics: exactly once, kept until durable, resumable
     as a chunk) and the local state starts afresh. Held-out chunks are sent
-    as chunks as always. Needs the extension kvcal._engine."""
+    as chunks as always. local_backend="cuda" (or "auto": CUDA when the
+    extension has it and a device exists) keeps the statistics on GPU
+    local_device and reads torch CUDA tensors there in place; "cpu" (the
+    default) copies them to host memory first. Needs the extension
+    kvcal._engine."""
     if getattr(client, "workers", None) is not None:
         return ShardedProducer(client, session_id, producer_id, **options)
     return WorkerProducer(client, session_id, producer_id, **options)

@@ -162,6 +162,13 @@ def test_flush_batches_needs_local_statistics(worker):
         kvcal.Producer(client, flush_batches=2)
     with pytest.raises(ValueError, match="flush_batches"):
         kvcal.Producer(client, local_statistics=True, flush_batches=0)
+    for name, value in (("flush_seconds", 1.0), ("local_backend", "cpu"), ("local_device", 0)):
+        with pytest.raises(ValueError, match=f"{name} is for local_statistics=True"):
+            kvcal.Producer(client, **{name: value})
+    with pytest.raises(ValueError, match="flush_seconds"):
+        kvcal.Producer(client, local_statistics=True, flush_seconds=0)
+    with pytest.raises(ValueError, match="local_backend='gpu': want 'cpu', 'cuda' or 'auto'"):
+        kvcal.Producer(client, local_statistics=True, local_backend="gpu")
     with kvcal.Producer(client, producer_id="off") as off:
         assert off.local_statistics is False
     # Bad input is refused at put() with the worker's words; nothing counted.
@@ -323,6 +330,46 @@ def feed_plain(client, **options):
             for layer, role, t, layout in batch:
                 producer.put(layer, role, t, layout=layout)
     return producer.stats()
+
+
+def test_flush_seconds_flushes_at_batch_boundaries(worker):
+    """flush_seconds: a flush at the first batch boundary after T seconds
+    (here T is tiny, so every boundary), whatever flush_batches says; the
+    scales equal in-band's."""
+    wired, local = kvcal.Client(worker.target), kvcal.Client(worker.target)
+    for c in (wired, local):
+        c.create_session(geometry=GEOMETRY)
+    feed_plain(wired)
+    stats = feed_plain(local, local_statistics=True, flush_batches=1000, flush_seconds=1e-6,
+                       local_backend="auto")
+    assert stats["local_flushes"] == 4 and stats["last_sequence"] == 4  # one per batch
+    assert all_scales(local) == all_scales(wired)
+    wired.delete()
+    local.delete()
+
+
+def test_cuda_tensors_on_a_cuda_local_backend(worker):
+    """local_backend="cuda": torch CUDA tensors accumulated in place on the
+    GPU give the scales of the same tensors sent in-band from host memory.
+    Needs a CUDA device and a CUDA build of kvcal._engine."""
+    from kvcal.local_statistics import load_engine
+
+    if not torch.cuda.is_available() or load_engine().cuda_device_count() == 0:
+        pytest.skip("no CUDA device (or kvcal._engine built without CUDA)")
+    wired, local = kvcal.Client(worker.target), kvcal.Client(worker.target)
+    for c in (wired, local):
+        c.create_session(geometry=GEOMETRY)
+    feed_plain(wired)
+    with kvcal.Producer(local, producer_id="p", local_statistics=True, flush_batches=2,
+                        local_backend="cuda", local_device=torch.cuda.current_device()) as p:
+        assert p._local.local.backend == "cuda"
+        for batch in batches(5, 4):
+            p.new_batch()
+            for layer, role, t, layout in batch:
+                p.put(layer, role, t.cuda(), layout=layout)
+    assert all_scales(local) == all_scales(wired)
+    wired.delete()
+    local.delete()
 
 
 def test_capture_through_a_local_statistics_producer(worker):
