@@ -29,8 +29,9 @@ batches p * batches + b (the job's batches are all distinct).
 
 Per mode it prints:
   wire bytes/token  the serialized bytes of every request the producers
-                    sent (wire_bytes(): IngestRequests, resends included;
-                    the local-statistics flushes), over the tokens of all
+                    sent (their stats()["wire_bytes"]: IngestRequests,
+                    resends included, local-statistics flushes being
+                    IngestRequests of partial statistics), over the tokens of all
                     producers; gRPC/HTTP/2 framing (a few bytes per
                     message) not counted; an in-band count below 2 bytes
                     per value stops the run (a lost count);
@@ -76,7 +77,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -128,39 +128,11 @@ def make_batches(index, args):
 
 
 # -- wire bytes ------------------------------------------------------------------
-_counted = {"ingest_bytes": 0}
-_counted_lock = threading.Lock()  # one sender thread per worker adds to it
-
-
-def _count_ingest_requests():
-    """Until the producer counts its own (stats()["wire_bytes"]): the
-    serialized size of every IngestRequest a WorkerProducer builds to send
-    (each try: resends included), summed in this process."""
-    from kvcal import producer as producer_module
-
-    original = getattr(producer_module.WorkerProducer, "_request", None)
-    if original is None or getattr(original, "_bench_job_counting", False):
-        return  # a producer without it is expected to count stats()["wire_bytes"]
-
-    def counting(self, chunk):
-        request = original(self, chunk)
-        if request is not None:
-            size = request.ByteSize()
-            with _counted_lock:
-                _counted["ingest_bytes"] += size
-        return request
-
-    counting._bench_job_counting = True
-    producer_module.WorkerProducer._request = counting
-
-
 def wire_bytes(stats):
-    """Serialized bytes of every request the producer sent: the producer's
-    own count when it keeps one, else IngestRequests counted here plus the
-    local-statistics flushes (ImportStateRequests) it reports."""
-    if "wire_bytes" in stats:
-        return stats["wire_bytes"]
-    return _counted["ingest_bytes"] + stats.get("local_flush_bytes", 0)
+    """Serialized bytes of every request the producer sent: its own count
+    (IngestRequests, resends included; local-statistics flushes are
+    IngestRequests carrying partial statistics)."""
+    return stats["wire_bytes"]
 
 
 # -- one producer process --------------------------------------------------------
@@ -171,7 +143,6 @@ def producer_main(index, args, conn):
     try:
         import kvcal
 
-        _count_ingest_requests()
         started = time.monotonic()
         batches = make_batches(index, args)
         values = sum(t.numel() for tensors in batches for _, _, t in tensors)
@@ -186,7 +157,6 @@ def producer_main(index, args, conn):
             options = {"local_statistics": True, "flush_batches": args.flush_batches} \
                 if mode == "local" else {}
             producer = kvcal.Producer(client, producer_id=f"p{index}", **options)
-            _counted["ingest_bytes"] = 0
             conn.send(("armed",))
             conn.recv()  # go
             usage0 = resource.getrusage(resource.RUSAGE_SELF)
