@@ -46,11 +46,11 @@ MODELS = {
 # Measured, llama3-70b, --tokens 256 --batches 4 --flush-batches 4 (the
 # largest batches measured; smaller batches cost more per value, most of all
 # in local mode: see docs/scaling.md):
-PRODUCER_CPU_S_PER_M = {"in-band": 0.0033, "local": 0.0019}
-WORKER_CPU_S_PER_M_IN_BAND = 6.25 / 3355.4  # worker CPU s / M values, same run
-# local: the workers' CPU s (1.46, from their start to the last close) per byte
-# of the 8 flush messages they took (212931616 bytes), same run
-WORKER_S_PER_IMPORTED_BYTE = 1.46 / 212931616
+PRODUCER_CPU_S_PER_M = {"in-band": 0.0040, "local": 0.0022}
+WORKER_CPU_S_PER_M_IN_BAND = 6.11 / 3355.4  # worker CPU s / M values, same run
+# local: the workers' CPU s (1.75, from their start to the last close) per byte
+# of the 8 flush messages they took (212931136 bytes), same run
+WORKER_S_PER_IMPORTED_BYTE = 1.75 / 212931136
 # ASSUMED, not measured here: the CUDA accumulate's rate for bf16 with 16
 # bins per octave + tail, 972 GB/s = 486 G values/s, recorded on an H200 in
 # bench/README.md ("Measured on an NVIDIA H200 (2026-12-04)"); the sessions
