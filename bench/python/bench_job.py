@@ -451,7 +451,8 @@ def main(argv=None):
             f = figures[mode]
             print(f"{mode}: {f['wire']} wire bytes, producer CPU {f['cpu']:.2f} s, wall "
                   f"{f['wall']:.2f} s" + (f", {f['local_flushes']} flush messages (each flush: one "
-                                           f"per worker)" if mode == "local" else ""))
+                                           f"per worker owning layers)" if mode == "local"
+                                         else ""))
         for conn in conns:
             conn.send(None)
     finally:

@@ -48,5 +48,7 @@ def test_tiny_job_runs_both_modes_with_identical_scales(worker_bin, capsys):
     assert in_band > 2 * values  # every bf16 value once, plus the request headers
     assert in_band < 2 * values * 1.2
     assert local > 0
-    assert flushes == 2 * 2 * 2  # producers x flushes each (3 batches, every 2) x workers
+    # producers x flushes each (3 batches, every 2) x the workers that own layers:
+    # the tiny geometry's 4 layers can all hash to one of the two workers.
+    assert flushes in (2 * 2 * 1, 2 * 2 * 2), flushes
     assert "COMPUTED from the measured figures" in out
