@@ -226,6 +226,22 @@ grpc::ServerUnaryReactor* CalibrationService::ImportState(
       });
 }
 
+namespace {
+
+pb::IngestResponse IngestResponseOf(const std::string& producer,
+                                    uint64_t sequence,
+                                    const IngestOutcome& outcome) {
+  pb::IngestResponse response;
+  response.set_producer_id(producer);
+  response.set_sequence(sequence);
+  response.set_applied(outcome.applied);
+  response.set_watermark(outcome.watermark);
+  response.set_durable_watermark(outcome.durable_watermark);
+  return response;
+}
+
+}  // namespace
+
 absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
     const std::string& tenant, const pb::IngestRequest& request,
     const std::vector<absl::Span<const std::byte>>& data, uint64_t data_bytes) {
@@ -287,13 +303,7 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
   } else {
     metrics_.RecordDuplicate();
   }
-  pb::IngestResponse response;
-  response.set_producer_id(producer);
-  response.set_sequence(request.sequence());
-  response.set_applied(outcome.applied);
-  response.set_watermark(outcome.watermark);
-  response.set_durable_watermark(outcome.durable_watermark);
-  return response;
+  return IngestResponseOf(producer, request.sequence(), outcome);
 }
 
 absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyPartial(
@@ -334,13 +344,7 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyPartial(
   } else {
     metrics_.RecordDuplicate();
   }
-  pb::IngestResponse response;
-  response.set_producer_id(producer);
-  response.set_sequence(request.sequence());
-  response.set_applied(outcome.applied);
-  response.set_watermark(outcome.watermark);
-  response.set_durable_watermark(outcome.durable_watermark);
-  return response;
+  return IngestResponseOf(producer, request.sequence(), outcome);
 }
 
 void CalibrationService::SessionToProto(const SessionInfo& info,

@@ -184,6 +184,48 @@ absl::Status Session::Apply(const std::string& producer_name, uint64_t sequence,
   return device->Synchronize();
 }
 
+absl::StatusOr<Session::Admission> Session::Admit(
+    const std::string& producer_name, uint64_t sequence,
+    const std::string& what,
+    const std::function<absl::Status()>& before_register) {
+  Admission out;
+  Producer* producer = FindProducer(producer_name, false);
+  if (sequence == 0) {
+    // Always a duplicate: acknowledged with the producer's watermark (0 for
+    // a producer the session does not know, which it does not register).
+    if (producer == nullptr) {
+      out.duplicate = IngestOutcome{false, 0};
+      return out;
+    }
+    std::lock_guard<std::mutex> lock(producer->mu);
+    out.duplicate =
+        IngestOutcome{false, producer->watermark, producer->durable_watermark};
+    return out;
+  }
+  if (producer == nullptr) {
+    if (sequence != 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": sequence gap, expected sequence 1 (watermark 0)"));
+    }
+    // Checked before a new producer is registered.
+    KVCAL_RETURN_IF_ERROR(before_register());
+    producer = FindProducer(producer_name, true);
+  }
+  out.lock = std::unique_lock<std::mutex>(producer->mu);
+  if (sequence <= producer->watermark) {
+    out.duplicate =
+        IngestOutcome{false, producer->watermark, producer->durable_watermark};
+    return out;
+  }
+  if (sequence != producer->watermark + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": sequence gap, expected sequence ", producer->watermark + 1,
+        " (watermark ", producer->watermark, ")"));
+  }
+  out.producer = producer;
+  return out;
+}
+
 absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
                                               uint64_t sequence,
                                               const ChunkView& chunk,
@@ -201,36 +243,15 @@ absl::StatusOr<IngestOutcome> Session::Ingest(absl::string_view producer_id,
       device_data ? backend_->device_data() : nullptr;
   KVCAL_RETURN_IF_ERROR(CheckDeviceData(what, holdout, device_data, device));
   std::shared_lock<std::shared_mutex> state_lock(state_mu_);
-  Producer* producer = FindProducer(producer_name, false);
   bool checked_finite = false;
-  if (sequence == 0) {
-    // Always a duplicate: acknowledged with the producer's watermark (0 for
-    // a producer the session does not know, which it does not register).
-    if (producer == nullptr) return IngestOutcome{false, 0};
-    std::lock_guard<std::mutex> lock(producer->mu);
-    return IngestOutcome{false, producer->watermark,
-                         producer->durable_watermark};
-  }
-  if (producer == nullptr) {
-    if (sequence != 1) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, ": sequence gap, expected sequence 1 (watermark 0)"));
-    }
-    // Checked before a new producer is registered.
-    KVCAL_RETURN_IF_ERROR(CheckFinite(what, chunk, *extent, holdout, device));
-    checked_finite = true;
-    producer = FindProducer(producer_name, true);
-  }
-  std::lock_guard<std::mutex> lock(producer->mu);
-  if (sequence <= producer->watermark) {
-    return IngestOutcome{false, producer->watermark,
-                         producer->durable_watermark};
-  }
-  if (sequence != producer->watermark + 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, ": sequence gap, expected sequence ", producer->watermark + 1,
-        " (watermark ", producer->watermark, ")"));
-  }
+  KVCAL_ASSIGN_OR_RETURN(
+      Admission admitted,
+      Admit(producer_name, sequence, what, [&]() -> absl::Status {
+        checked_finite = true;
+        return CheckFinite(what, chunk, *extent, holdout, device);
+      }));
+  if (admitted.duplicate) return *admitted.duplicate;
+  Producer* const producer = admitted.producer;
   if (!checked_finite) {
     // The watermark stays on a refusal, so resending cannot skip the chunk.
     KVCAL_RETURN_IF_ERROR(CheckFinite(what, chunk, *extent, holdout, device));
@@ -308,30 +329,11 @@ absl::StatusOr<IngestOutcome> Session::IngestPartial(
     return named(finite);
   }
   std::unique_lock<std::shared_mutex> state_lock(state_mu_);
-  Producer* producer = FindProducer(producer_name, false);
-  if (sequence == 0) {
-    if (producer == nullptr) return IngestOutcome{false, 0};
-    std::lock_guard<std::mutex> lock(producer->mu);
-    return IngestOutcome{false, producer->watermark,
-                         producer->durable_watermark};
-  }
-  if (producer == nullptr) {
-    if (sequence != 1) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, ": sequence gap, expected sequence 1 (watermark 0)"));
-    }
-    producer = FindProducer(producer_name, true);
-  }
-  std::lock_guard<std::mutex> lock(producer->mu);
-  if (sequence <= producer->watermark) {
-    return IngestOutcome{false, producer->watermark,
-                         producer->durable_watermark};
-  }
-  if (sequence != producer->watermark + 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, ": sequence gap, expected sequence ", producer->watermark + 1,
-        " (watermark ", producer->watermark, ")"));
-  }
+  KVCAL_ASSIGN_OR_RETURN(
+      Admission admitted,
+      Admit(producer_name, sequence, what, [] { return absl::OkStatus(); }));
+  if (admitted.duplicate) return *admitted.duplicate;
+  Producer* const producer = admitted.producer;
   if (absl::Status merged = backend_->Merge(*stats); !merged.ok()) {
     return named(merged);
   }

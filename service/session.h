@@ -13,9 +13,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <shared_mutex>
 #include <string>
@@ -214,6 +216,22 @@ class Session {
     uint64_t watermark = 0;
     uint64_t durable_watermark = 0;
   };
+
+  // What the sequence rules say of a message (state_mu_ held): a duplicate
+  // (sequence 0, or at or below the watermark) with its outcome, or the
+  // producer to apply it for, its mutex held in `lock`.
+  struct Admission {
+    std::optional<IngestOutcome> duplicate;
+    Producer* producer = nullptr;
+    std::unique_lock<std::mutex> lock;
+  };
+  // The sequence rules Ingest and IngestPartial share: a gap is
+  // FailedPrecondition naming `what` and the expected sequence; a new
+  // producer (sequence 1) is registered only after `before_register` passed.
+  absl::StatusOr<Admission> Admit(
+      const std::string& producer_name, uint64_t sequence,
+      const std::string& what,
+      const std::function<absl::Status()>& before_register);
 
   Session(std::string id, std::string tenant, const Geometry& geometry,
           std::unique_ptr<StatisticsBackend> backend,
