@@ -13,9 +13,9 @@ chunking, kvcal.producer._cut, at --chunk-bytes, and its own request
 builder), and their serialized protobuf size summed.
 
 Local statistics: the same tensors accumulated by kvcal.LocalStatistics
-(the producer's engine), and at each flush the ImportStateRequest that
-kvcal.Producer(..., local_statistics=True) sends (the exported
-SessionState and its import id), its serialized size summed, for each
+(the producer's engine), and at each flush the IngestRequest that
+kvcal.Producer(..., local_statistics=True) sends (partial_statistics: the
+engine's statistics and the counters), its serialized size summed, for each
 --flush-batches value; and the size of one state holding the first 1, 2,
 ... batches (how a flush grows with the tokens it covers).
 
@@ -87,11 +87,14 @@ def in_band_bytes(tensors, batch, chunk_bytes, sequence):
 
 
 def flush_bytes(local, n):
-    """The ImportStateRequest a local-statistics producer sends for flush n
-    of what `local` holds (the import id has the producer's form)."""
-    request = pb.ImportStateRequest(
-        session_id="bench-session", state=local.export_state("bench-session"),
-        import_id=f"kvcal-local/producer-0/0123456789ab/{n}")
+    """The IngestRequest a local-statistics producer sends as its n-th
+    message for what `local` holds (kvcal/local_producer.py)."""
+    counters = local.counters
+    request = pb.IngestRequest(
+        session_id="bench-session", producer_id="producer-0", sequence=n,
+        partial_statistics=pb.PartialStatistics(
+            statistics=local.export_statistics(), tensors=counters["chunks_applied"],
+            values=counters["values_ingested"], bytes=counters["bytes_ingested"]))
     return request.ByteSize()
 
 
@@ -184,7 +187,7 @@ def main():
         print(f"{every:>13} {flushes:>7} {total:>12} {total / tokens_total:>12.1f} "
               f"{wire / total:>14.1f}")
     project(args, geometry, wire / tokens_total, flush_bytes(local, 1) - len(
-        local.export_state("bench-session").statistics))
+        local.export_statistics()))
 
 
 def project(args, geometry, in_band_per_token, overhead):
@@ -196,7 +199,7 @@ def project(args, geometry, in_band_per_token, overhead):
           f"{args.project_batch_tokens}: "
           f"in-band {in_band_per_token:.0f} bytes/token x {n} = {in_band_per_token * n:.4g} bytes;"
           f" local <= flushes x the format's largest state of n/flushes batches "
-          f"(every bin non-empty) + {overhead} bytes of ImportStateRequest")
+          f"(every bin non-empty) + {overhead} bytes of IngestRequest")
     print(f"{'flushes':>8} {'largest flush':>14} {'local total <=':>15} {'in-band/local >=':>17}")
     total_batches = max(1, -(-n // args.project_batch_tokens))
     for flushes in sorted({1, min(8, total_batches), total_batches}):
