@@ -11,8 +11,8 @@ the CPU. Data: `batches` batches of `batch-size` x `seq-len` tokens of the
 GPL-3 text. Every forward is model(input_ids, use_cache=False) under
 torch.no_grad(), the call llm-compressor's basic pipeline makes.
 
-Three timings per round (best of `reps` rounds; each round runs them in the
-order bare, kvcal, llm-compressor):
+Five timings per round (best of `reps` rounds; each round runs them in the
+order bare, kvcal, kvcal shm, kvcal local, llm-compressor):
   bare     the forward passes alone;
   kvcal    a fresh session on a kvcal-worker started here (CPU backend, on
            127.0.0.1), kvcal.Producer + kvcal.torch.capture around the same
@@ -20,13 +20,20 @@ order bare, kvcal, llm-compressor):
   kvcal shm  the same with kvcal.Producer(shared_memory=True): the chunks
            go through a shared-memory ring (docs/shared_memory.md), the
            same-host layout of a worker beside the training job;
+  kvcal local  the same with kvcal.Producer(local_statistics=True)
+           (docs/local-statistics.md): the producer accumulates the
+           statistics itself with the worker's engine, in the thread that
+           runs the forwards, and ships them at close (the default
+           flush_batches is larger than these batches: one flush), until the
+           flush is imported;
   llmc     llmcompressor.oneshot with QuantizationModifier(kv_cache_scheme=
            FP8 E4M3, per tensor, static min-max) on the same batches
            (pipeline "basic", a fresh copy of the model), wall time of the
            call.
-Printed: the three times, the time each adds to the bare forwards, and the
+Printed: the times, the time each adds to the bare forwards, and the
 ratios added/bare. Goal (issue 14): kvcal adds <= 10% and less than
-llm-compressor adds. Finalize is timed apart (it is not part of the
+llm-compressor adds; issue 27 asks the same of the local-statistics row
+with a core left to kvcal. Finalize is timed apart (it is not part of the
 forwards).
 
 Everything is measured twice (`--threads`, default "all,spare"): with torch
@@ -122,24 +129,32 @@ def main():
         """Best of args.reps rounds of bare, kvcal and llm-compressor."""
         torch.set_num_threads(threads)
         best = {"bare": float("inf"), "kvcal": float("inf"), "kvcal_shm": float("inf"),
-                "llmc": float("inf"), "finalize": float("inf")}
+                "kvcal_local": float("inf"), "llmc": float("inf"), "finalize": float("inf")}
         forwards(model)  # warm-up: first-call allocations, thread pools
         for rep in range(args.reps):
             start = time.perf_counter()
             forwards(model)
             best["bare"] = min(best["bare"], time.perf_counter() - start)
 
-            for key, shared_memory in (("kvcal", False), ("kvcal_shm", True)):
+            for key, options in (("kvcal", {}), ("kvcal_shm", {"shared_memory": True}),
+                                 ("kvcal_local", {"local_statistics": True})):
+                shared_memory = options.get("shared_memory", False)
                 client.create_session(model.config, session_id=f"bench-{key}-{threads}-{rep}")
                 start = time.perf_counter()
-                with kvcal.Producer(client, shared_memory=shared_memory) as producer, \
+                with kvcal.Producer(client, **options) as producer, \
                         kvcal.torch.capture(model, producer):
                     forwards(model)
                     if shared_memory and not producer.shared_memory:
                         raise RuntimeError("bench_capture: shared memory fell back to in-band: "
                                            f"{producer.shared_memory_fallback}")
                 best[key] = min(best[key], time.perf_counter() - start)
-                if not shared_memory:  # Finalize is the same either way: timed once
+                if options.get("local_statistics"):
+                    stats = producer.stats()
+                    if stats.get("local_flushes", 0) < 1:
+                        raise RuntimeError(f"bench_capture: the local-statistics producer "
+                                           f"imported nothing ({stats})")
+                    local_bytes[threads] = stats["local_flush_bytes"]
+                if key == "kvcal":  # Finalize is the same either way: timed once
                     start = time.perf_counter()
                     client.finalize(observer="static_minmax", granularity="tensor")
                     best["finalize"] = min(best["finalize"], time.perf_counter() - start)
@@ -168,6 +183,7 @@ def main():
         else:
             settings.append((f"torch on {int(name)} threads", int(name)))
 
+    local_bytes = {}  # torch threads -> the local producer's flush bytes (last round)
     worker = Worker()
     client = kvcal.Client(worker.target)
     results = []
@@ -185,12 +201,16 @@ def main():
         print(f"{'':16s} {'seconds':>9s} {'added s':>9s} {'added/bare':>11s}")
         print(f"{'bare forwards':16s} {bare:9.3f}")
         for name, key in (("kvcal capture", "kvcal"), ("kvcal shm", "kvcal_shm"),
-                          ("llm-compressor", "llmc")):
+                          ("kvcal local", "kvcal_local"), ("llm-compressor", "llmc")):
             added = best[key] - bare
             print(f"{name:16s} {best[key]:9.3f} {added:9.3f} {added / bare:11.3f}")
         print(f"kvcal finalize (apart): {best['finalize']:.3f} s")
         llmc_added = best["llmc"] - bare
-        for name, key in (("kvcal", "kvcal"), ("kvcal shm", "kvcal_shm")):
+        threads = dict(settings)[label]
+        print(f"kvcal local: {local_bytes.get(threads, 0)} bytes of statistics imported per "
+              f"session")
+        for name, key in (("kvcal", "kvcal"), ("kvcal shm", "kvcal_shm"),
+                          ("kvcal local", "kvcal_local")):
             added = best[key] - bare
             print(f"{name}: added / llm-compressor added {added / llmc_added:.3f}; goal (adds "
                   f"<= 0.10 of the bare forwards and less than llm-compressor): "

@@ -163,6 +163,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=format_advice.DEFAULT_TOLERANCE,
                    metavar="NATS", help="the held-out loss a recommended cache format may add, "
                    f"in nats/token (default {format_advice.DEFAULT_TOLERANCE:g})")
+    p.add_argument("--local-statistics", action="store_true",
+                   help="accumulate the statistics in this process with the worker's engine and "
+                        "send them to the worker instead of the activations (the same scales; "
+                        "docs/local-statistics.md)")
+    p.add_argument("--flush-batches", type=int, default=None, metavar="N",
+                   help="with --local-statistics: send the accumulated statistics every N "
+                        "batches (1 or more; default 64) and at the end")
     p.add_argument("--json", action="store_true", help="no progress; print one JSON object")
     return p
 
@@ -188,7 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             lock_timeout=args.lock_timeout, packing=args.packing,
             auth_token_file=args.auth_token_file, keep_session=args.keep_session,
             scales_dir=args.scales_dir, quiet=args.json,
-            kv_cache_formats=args.kv_cache_formats, tolerance=args.tolerance)
+            kv_cache_formats=args.kv_cache_formats, tolerance=args.tolerance,
+            local_statistics=args.local_statistics, flush_batches=args.flush_batches)
     except UsageError as e:
         return _fail(args, str(e), 2)
     except (CalibrateError, data.DataError, WorkerError, output.OutputError) as e:

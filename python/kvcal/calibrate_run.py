@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence
 from kvcal import calibrate_data as data
 from kvcal import calibrate_output as output
 from kvcal import calibrate_select as select
+from kvcal import _args
 from kvcal import format_advice
 from kvcal import skip_layers
 from kvcal.calibrate_worker import EmbeddedWorker, WorkerError
@@ -32,6 +33,8 @@ from kvcal.calibrate_worker import EmbeddedWorker, WorkerError
 PROG = "kvcal-calibrate"
 PRODUCER = "kvcal-calibrate"
 TARGETS = ("compressed-tensors", "modelopt", "quark")
+# --flush-batches: as kvcal.Producer's flush_batches.
+FLUSH_BATCHES = _args.IntRange(1, None)
 
 
 class CalibrateError(RuntimeError):
@@ -483,7 +486,9 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
                     auth_token_file: Optional[str] = None, keep_session: bool = False,
                     scales_dir: Optional[str] = None, quiet: bool = False,
                     kv_cache_formats: str = "fp8,nvfp4",
-                    tolerance: float = format_advice.DEFAULT_TOLERANCE) -> CalibrationResult:
+                    tolerance: float = format_advice.DEFAULT_TOLERANCE,
+                    local_statistics: bool = False,
+                    flush_batches: Optional[int] = None) -> CalibrationResult:
     """Calibrates `model` on `dataset` and patches it; see the module docs.
     Raises CalibrateError (with a one-line message) or UsageError."""
     ui = _Ui(quiet)
@@ -494,6 +499,7 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
                      dtype, packing, resume, session, server, lock_timeout)
     observers = _resolve_observers(observer)
     formats = _check_formats(kv_cache_formats, tolerance)
+    _check_local_statistics(local_statistics, flush_batches)
     holdout_given = holdout_samples is not None
     holdout = holdout_samples if holdout_given else max(2, int(round(samples * 0.1)))
     if holdout >= samples:
@@ -532,6 +538,7 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
                "device": device.split(":")[0], "packing": packing, "seed": seed}
     fingerprint = _fingerprint(sampled, text_config, options)
     session_id = _session_of(run, previous, session, fingerprint)
+    _check_resume_mode(run, previous, local_statistics)
     try:
         _makedirs(run.work, run.created)
     except OSError as e:
@@ -545,7 +552,8 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
                 granularities=granularities, kv_modes=kv_modes, platform=platform, target=target,
                 report=report, lock_timeout=lock_timeout, keep_session=keep_session,
                 timings=timings, warnings=warnings, t_start=t_start, dtype=dtype, seq_len=seq_len,
-                scales_dir=scales_dir, formats=formats, tolerance=tolerance).items():
+                scales_dir=scales_dir, formats=formats, tolerance=tolerance,
+                local_statistics=bool(local_statistics), flush_batches=flush_batches).items():
             setattr(run.o, name, value)
         return _calibrate(run, _Journal(run.work), ui)
     except BaseException as e:
@@ -576,6 +584,35 @@ def _check_arguments(samples, seq_len, batch_size, holdout_samples, target, gran
         raise UsageError("--resume with --server needs --session ID (the session to continue)")
     if lock_timeout is not None and lock_timeout < 0:
         raise UsageError("--lock-timeout must be >= 0")
+
+
+def _check_local_statistics(local_statistics: bool, flush_batches: Optional[int]) -> None:
+    """--flush-batches only with --local-statistics, and 1 or more."""
+    if flush_batches is None:
+        return
+    if not local_statistics:
+        raise UsageError(f"--flush-batches {flush_batches}: only with --local-statistics (it "
+                         f"says how many batches of statistics are accumulated before they are "
+                         f"sent); add --local-statistics or drop --flush-batches")
+    try:
+        _args.check_int("", "--flush-batches", flush_batches, FLUSH_BATCHES)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e).replace("kvcal: ", "", 1)) from None
+
+
+def _check_resume_mode(run: "_Run", previous: Optional[dict], local_statistics: bool) -> None:
+    """--resume continues in the mode the interrupted run streamed in: the
+    session holds either chunks (resumable by batch) or local-statistics
+    flushes (not resumable by batch), and mixing them could count a batch
+    twice."""
+    if not previous:
+        return
+    before = bool(previous.get("local_statistics", False))
+    if before != bool(local_statistics):
+        raise CalibrateError(
+            f"--resume: the interrupted run in {run.work} ran "
+            f"{'with' if before else 'without'} --local-statistics; rerun it the same way, or "
+            f"delete that directory to start over")
 
 
 def _check_formats(spec: str, tolerance: float) -> List[str]:
@@ -692,7 +729,7 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
     patch and report, then cleanup."""
     o = run.o
     client, existing = _connect(run, ui)
-    geometry = _load_and_open_session(run, journal, client, existing, ui)
+    geometry, existing = _load_and_open_session(run, journal, client, existing, ui)
     _forwards(run, journal, client, existing, ui)
 
     run.stage = "score"
@@ -776,6 +813,7 @@ def _load_and_open_session(run: "_Run", journal: "_Journal", client, existing, u
 
     o = run.o
     geometry = kvcal.Geometry.from_config(o.text_config)
+    _check_local_resume(run, client, existing)
     t = time.monotonic()
     ui.say(f"loading {run.model} ({o.dtype} on {o.device})")
     o.model = o.load_weights()
@@ -790,11 +828,57 @@ def _load_and_open_session(run: "_Run", journal: "_Journal", client, existing, u
             client.attach(o.session_id)
     except (kvcal.KvcalError, ValueError) as e:
         raise CalibrateError(f"session {o.session_id} on {client.target}: {_first_line(e)}") from None
-    journal.write_run({"fingerprint": o.fingerprint, "session": o.session_id,
-                       "server": list(o.server) if o.server else None, "model": run.model})
+    if existing is not None and o.local_statistics and not _local_forwards_done(o.previous):
+        existing = _restart_local_session(run, client, geometry, ui)
+    o.run_record = {"fingerprint": o.fingerprint, "session": o.session_id,
+                    "server": list(o.server) if o.server else None, "model": run.model,
+                    "local_statistics": o.local_statistics,
+                    "local_forwards_done": _local_forwards_done(o.previous)}
+    journal.write_run(o.run_record)
     run.uploaded = True
     run.stage = "upload"
-    return geometry
+    return geometry, existing
+
+
+def _check_local_resume(run: "_Run", client, existing) -> None:
+    """--resume --local-statistics of a session that holds statistics no
+    interrupted run in this work directory sent (--server, no journal):
+    refused, before the model loads, rather than deleted."""
+    o = run.o
+    if existing is None or not o.local_statistics or _local_forwards_done(o.previous):
+        return
+    if not o.previous or o.previous.get("session") != o.session_id:
+        raise CalibrateError(
+            f"--resume --local-statistics: session {o.session_id} on {client.target} already "
+            f"holds statistics that cannot be told apart by batch, and no interrupted run in "
+            f"{run.work} created it; delete it (kvcal delete) or pass another --session")
+
+
+def _local_forwards_done(previous: Optional[dict]) -> bool:
+    """The interrupted run streamed in local-statistics mode and its
+    producer closed: every batch's statistics are in the session."""
+    return bool(previous and previous.get("local_statistics")
+                and previous.get("local_forwards_done"))
+
+
+def _restart_local_session(run: "_Run", client, geometry, ui: _Ui):
+    """--resume of a --local-statistics run interrupted during its forwards:
+    the session holds the flushes sent so far, which cannot be matched to
+    batches (nothing is resumable by batch in that mode yet), so the
+    session the interrupted run created is deleted and made afresh, and
+    every batch runs again (_check_local_resume refused the other cases)."""
+    import kvcal
+
+    o = run.o
+    ui.say(f"resuming session {o.session_id}: the interrupted run used --local-statistics and "
+           f"stopped during its forwards, which cannot continue by batch; starting the "
+           f"forwards over in a fresh session")
+    try:
+        client.delete(o.session_id)
+        client.create_session(geometry=geometry, session_id=o.session_id)
+    except (kvcal.KvcalError, ValueError) as e:
+        raise CalibrateError(f"session {o.session_id} on {client.target}: {_first_line(e)}") from None
+    return None
 
 
 def _resume_point(journal: "_Journal", client, existing, nbatches: int):
@@ -829,15 +913,29 @@ def _forwards(run: "_Run", journal: "_Journal", client, existing, ui: _Ui) -> No
     o = run.o
     cal = o.sampled.calibration
     nbatches = -(-len(cal) // o.batch_size)
-    skip, start_sequence = _resume_point(journal, client, existing, nbatches)
+    if o.local_statistics and existing is not None:
+        # _load_and_open_session left the session only when every batch's
+        # statistics are in it (the producer closed): nothing to send.
+        skip, start_sequence = nbatches, None
+    else:
+        skip, start_sequence = _resume_point(journal, client, existing, nbatches)
     if existing is not None:
         ui.say(f"resuming session {o.session_id}: {skip} of {nbatches} batches are on the worker")
+    run.resumed = {"skipped_batches": skip, "batches": nbatches} if existing is not None else None
+    if o.local_statistics and skip == nbatches:
+        o.timings["forwards"] = o.timings["upload"] = 0.0
+        return
     kwargs = {"start_sequence": start_sequence} if start_sequence else {}
     if not o.server:
         # Its chunks are safe once applied (the worker writes its state when
         # stopped), and it does not come back after a crash: fail fast.
-        kwargs.update(keep_until_durable=False, shared_memory=True, reconnect_timeout=10.0)
-    run.resumed = {"skipped_batches": skip, "batches": nbatches} if existing is not None else None
+        kwargs.update(keep_until_durable=False, reconnect_timeout=10.0,
+                      shared_memory=not o.local_statistics)
+    if o.local_statistics:
+        # Batches are accumulated here and sent as statistics every
+        # --flush-batches and at close (docs/local-statistics.md); no
+        # held-out window goes through this producer (scoring runs here).
+        kwargs.update(local_statistics=True, flush_batches=o.flush_batches)
     t = time.monotonic()
     producer = kvcal.Producer(client, producer_id=PRODUCER, **kwargs)
     for _ in range(skip):
@@ -855,13 +953,17 @@ def _forwards(run: "_Run", journal: "_Journal", client, existing, ui: _Ui) -> No
                             continue
                         o.model(batch.input_ids, attention_mask=batch.attention_mask,
                                 use_cache=False)
-                        if client.workers is None:
+                        if client.workers is None and not o.local_statistics:
+                            # (local statistics: a batch is not on the
+                            # worker until a flush, so none is journaled)
                             journal.add(jf, b, producer.last_sequence)
                         bar.update(batch.input_ids.shape[0])
             o.timings["forwards"] = time.monotonic() - t
             t = time.monotonic()
             _close_with_bar(producer, ui)
             o.timings["upload"] = time.monotonic() - t
+            if o.local_statistics:  # every batch's statistics are in the session
+                journal.write_run(dict(o.run_record, local_forwards_done=True))
     except UnsupportedModelError as e:
         producer.__exit__(type(e), e, None)
         raise CalibrateError(_first_line(e)) from None

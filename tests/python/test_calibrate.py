@@ -10,6 +10,11 @@ GGUF once and cached), with the embedded worker from this build:
   are hard links of the source and the source is untouched;
 - a run SIGKILLed mid-forward resumes with --resume and gives scales
   bit-identical to the uninterrupted run (every candidate's scales file);
+- --local-statistics --flush-batches 4 (statistics accumulated in the
+  process, sent in 4 flushes) gives every candidate's scales bit-identical
+  to the in-band run's; stopped at scoring, it resumes without any forward,
+  and a resume in the other mode is refused; --flush-batches without
+  --local-statistics, or 0, is a usage error (exit 2) that changes nothing;
 - the embedded worker is gone after success, a failure and Ctrl-C (SIGINT);
 - bad inputs give one line on stderr, the exit code, and change nothing;
 - unit checks of the --out copy across file systems and the shared lock on
@@ -434,6 +439,73 @@ def test_remote_worker_in_place_and_a_rerun_sends_only_duplicates(smollm2_dir, d
     assert refused.returncode == 1 and "add --resume" in one_line(refused.stderr)
     client.delete("remote-test")
     client.close()
+
+
+def assert_same_scales(first_scales, first_out, scales, out):
+    """Every candidate's scales file and the patched checkpoint's scales
+    bit-identical."""
+    assert sorted(os.listdir(scales)) == sorted(os.listdir(first_scales))
+    for name in os.listdir(first_scales):
+        a = kvcal.Scales.load(os.path.join(first_scales, name))
+        b = kvcal.Scales.load(os.path.join(scales, name))
+        assert sorted(a) == sorted(b), name
+        for key in a:
+            assert np.asarray(a[key]).tobytes() == np.asarray(b[key]).tobytes(), (name, key)
+    want, got = scale_tensors(first_out), scale_tensors(out)
+    assert sorted(want) == sorted(got) and want
+    for key, value in want.items():
+        assert value.tobytes() == got[key].tobytes(), key
+
+
+def test_local_statistics_gives_the_same_scales(calibrated, smollm2_dir, dataset, tmp_path,
+                                                capsys):
+    """--local-statistics: the 14 calibration batches accumulated in the
+    process and sent as statistics every 4 batches (4 flushes, the last of
+    2 batches) give every candidate's scales (static min-max and the EMA,
+    which reads the per-batch records) bit-identical to the in-band run's,
+    and the same choice. --kv-cache-formats fp8 only saves the NVFP4
+    held-out passes: no scale depends on it. A failure at scoring, then
+    --resume, skips every batch (the flushes are in the kept session)."""
+    out, scales = str(tmp_path / "out"), str(tmp_path / "scales")
+    work = out + ".kvcal-calibrate"
+    args = (smollm2_dir, "--dataset", dataset, *ARGS, "--out", out, "--scales-dir", scales,
+            "--kv-cache-formats", "fp8", "--local-statistics", "--flush-batches", "4", "--json")
+    failed = run(*args, extra_env={"KVCAL_CALIBRATE_TEST_FAIL": "score"})
+    assert failed.returncode == 1 and "--resume" in one_line(failed.stderr), failed.stderr[-3000:]
+    assert wait_gone(work) == []
+    # The same work directory resumed in the other mode: refused before
+    # anything is started or changed.
+    kept = snapshot(work)
+    code, err, _ = in_process(capsys, *args[:-4], "--resume", "--json")
+    assert code == 1, err
+    assert "ran with --local-statistics; rerun it the same way" in one_line(err), err
+    assert snapshot(work) == kept and workers_for(work) == []
+    resumed = run(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    r = json.loads(resumed.stdout)
+    assert r["resumed"] == {"skipped_batches": 14, "batches": 14}, r["resumed"]
+    first = calibrated["json"]
+    assert r["chosen"]["label"] == first["chosen"]["label"]
+    assert_same_scales(calibrated["scales"], calibrated["out"], scales, out)
+    assert workers_for(work) == [] and not os.path.exists(work)
+
+
+@pytest.mark.parametrize("extra, want", [
+    ((), "--flush-batches 4: only with --local-statistics"),
+    (("--local-statistics",), "--flush-batches=0 is out of range: want 1 or more")])
+def test_flush_batches_needs_local_statistics(extra, want, smollm2_dir, dataset, tmp_path,
+                                              capsys):
+    flush = "0" if extra else "4"
+    before = snapshot(smollm2_dir, str(tmp_path))
+    code, err, stdout = in_process(capsys, smollm2_dir, "--dataset", dataset, "--out",
+                                   str(tmp_path / "out"), "--flush-batches", flush, *extra,
+                                   "--json")
+    assert code == 2, err
+    line = one_line(err)
+    assert line.startswith("kvcal-calibrate: ") and want in line, line
+    assert json.loads(stdout) == {"ok": False, "error": line[len("kvcal-calibrate: "):],
+                                  "exit": 2}
+    assert snapshot(smollm2_dir, str(tmp_path)) == before
 
 
 def test_hub_name_offline_is_one_clear_line(dataset, tmp_path):
