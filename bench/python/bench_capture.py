@@ -25,7 +25,7 @@ order bare, kvcal, kvcal shm, kvcal local, llm-compressor):
            statistics itself with the worker's engine, in the thread that
            runs the forwards, and ships them at close (the default
            flush_batches is larger than these batches: one flush), until the
-           flush is imported;
+           flush is applied;
   llmc     llmcompressor.oneshot with QuantizationModifier(kv_cache_scheme=
            FP8 E4M3, per tensor, static min-max) on the same batches
            (pipeline "basic", a fresh copy of the model), wall time of the
@@ -148,12 +148,11 @@ def main():
                         raise RuntimeError("bench_capture: shared memory fell back to in-band: "
                                            f"{producer.shared_memory_fallback}")
                 best[key] = min(best[key], time.perf_counter() - start)
-                if options.get("local_statistics"):
-                    stats = producer.stats()
-                    if stats.get("local_flushes", 0) < 1:
-                        raise RuntimeError(f"bench_capture: the local-statistics producer "
-                                           f"imported nothing ({stats})")
-                    local_bytes[threads] = stats["local_flush_bytes"]
+                stats = producer.stats()
+                wire_bytes[(threads, key)] = stats.get("wire_bytes")
+                if options.get("local_statistics") and stats.get("local_flushes", 0) < 1:
+                    raise RuntimeError(f"bench_capture: the local-statistics producer "
+                                       f"flushed nothing ({stats})")
                 if key == "kvcal":  # Finalize is the same either way: timed once
                     start = time.perf_counter()
                     client.finalize(observer="static_minmax", granularity="tensor")
@@ -183,7 +182,7 @@ def main():
         else:
             settings.append((f"torch on {int(name)} threads", int(name)))
 
-    local_bytes = {}  # torch threads -> the local producer's flush bytes (last round)
+    wire_bytes = {}  # (torch threads, row) -> the producer's wire_bytes (last round)
     worker = Worker()
     client = kvcal.Client(worker.target)
     results = []
@@ -207,8 +206,9 @@ def main():
         print(f"kvcal finalize (apart): {best['finalize']:.3f} s")
         llmc_added = best["llmc"] - bare
         threads = dict(settings)[label]
-        print(f"kvcal local: {local_bytes.get(threads, 0)} bytes of statistics imported per "
-              f"session")
+        print("IngestRequest bytes per session (producer's wire_bytes): " + ", ".join(
+            f"{name} {wire_bytes.get((threads, key))}" for name, key in
+            (("in-band", "kvcal"), ("shm", "kvcal_shm"), ("local", "kvcal_local"))))
         for name, key in (("kvcal", "kvcal"), ("kvcal shm", "kvcal_shm"),
                           ("kvcal local", "kvcal_local")):
             added = best[key] - bare

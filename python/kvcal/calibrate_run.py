@@ -499,7 +499,7 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
                      dtype, packing, resume, session, server, lock_timeout)
     observers = _resolve_observers(observer)
     formats = _check_formats(kv_cache_formats, tolerance)
-    _check_local_statistics(local_statistics, flush_batches)
+    flush_batches = _check_local_statistics(local_statistics, flush_batches)
     holdout_given = holdout_samples is not None
     holdout = holdout_samples if holdout_given else max(2, int(round(samples * 0.1)))
     if holdout >= samples:
@@ -538,7 +538,7 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
                "device": device.split(":")[0], "packing": packing, "seed": seed}
     fingerprint = _fingerprint(sampled, text_config, options)
     session_id = _session_of(run, previous, session, fingerprint)
-    _check_resume_mode(run, previous, local_statistics)
+    _check_resume_mode(run, previous, local_statistics, flush_batches)
     try:
         _makedirs(run.work, run.created)
     except OSError as e:
@@ -586,25 +586,33 @@ def _check_arguments(samples, seq_len, batch_size, holdout_samples, target, gran
         raise UsageError("--lock-timeout must be >= 0")
 
 
-def _check_local_statistics(local_statistics: bool, flush_batches: Optional[int]) -> None:
-    """--flush-batches only with --local-statistics, and 1 or more."""
+def _check_local_statistics(local_statistics: bool,
+                            flush_batches: Optional[int]) -> Optional[int]:
+    """--flush-batches only with --local-statistics, and 1 or more; returns
+    the batches per flush (kvcal.Producer's default when not given), None
+    without --local-statistics."""
     if flush_batches is None:
-        return
+        if not local_statistics:
+            return None
+        from kvcal.local_producer import DEFAULT_FLUSH_BATCHES
+
+        return DEFAULT_FLUSH_BATCHES
     if not local_statistics:
         raise UsageError(f"--flush-batches {flush_batches}: only with --local-statistics (it "
                          f"says how many batches of statistics are accumulated before they are "
                          f"sent); add --local-statistics or drop --flush-batches")
     try:
-        _args.check_int("", "--flush-batches", flush_batches, FLUSH_BATCHES)
+        return _args.check_int("", "--flush-batches", flush_batches, FLUSH_BATCHES)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e).replace("kvcal: ", "", 1)) from None
 
 
-def _check_resume_mode(run: "_Run", previous: Optional[dict], local_statistics: bool) -> None:
-    """--resume continues in the mode the interrupted run streamed in: the
-    session holds either chunks (resumable by batch) or local-statistics
-    flushes (not resumable by batch), and mixing them could count a batch
-    twice."""
+def _check_resume_mode(run: "_Run", previous: Optional[dict], local_statistics: bool,
+                       flush_batches: Optional[int]) -> None:
+    """--resume continues in the mode the interrupted run streamed in: its
+    watermark counts chunks in-band and flushes of --flush-batches batches
+    with --local-statistics, so another mode or another N would skip the
+    wrong batches."""
     if not previous:
         return
     before = bool(previous.get("local_statistics", False))
@@ -613,6 +621,12 @@ def _check_resume_mode(run: "_Run", previous: Optional[dict], local_statistics: 
             f"--resume: the interrupted run in {run.work} ran "
             f"{'with' if before else 'without'} --local-statistics; rerun it the same way, or "
             f"delete that directory to start over")
+    if before and previous.get("flush_batches") != flush_batches:
+        raise CalibrateError(
+            f"--resume: the interrupted run in {run.work} flushed every "
+            f"{previous.get('flush_batches')} batches, not {flush_batches}; rerun it with "
+            f"--flush-batches {previous.get('flush_batches')}, or delete that directory to start "
+            f"over")
 
 
 def _check_formats(spec: str, tolerance: float) -> List[str]:
@@ -729,7 +743,7 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
     patch and report, then cleanup."""
     o = run.o
     client, existing = _connect(run, ui)
-    geometry, existing = _load_and_open_session(run, journal, client, existing, ui)
+    geometry = _load_and_open_session(run, journal, client, existing, ui)
     _forwards(run, journal, client, existing, ui)
 
     run.stage = "score"
@@ -813,7 +827,6 @@ def _load_and_open_session(run: "_Run", journal: "_Journal", client, existing, u
 
     o = run.o
     geometry = kvcal.Geometry.from_config(o.text_config)
-    _check_local_resume(run, client, existing)
     t = time.monotonic()
     ui.say(f"loading {run.model} ({o.dtype} on {o.device})")
     o.model = o.load_weights()
@@ -828,57 +841,15 @@ def _load_and_open_session(run: "_Run", journal: "_Journal", client, existing, u
             client.attach(o.session_id)
     except (kvcal.KvcalError, ValueError) as e:
         raise CalibrateError(f"session {o.session_id} on {client.target}: {_first_line(e)}") from None
-    if existing is not None and o.local_statistics and not _local_forwards_done(o.previous):
-        existing = _restart_local_session(run, client, geometry, ui)
-    o.run_record = {"fingerprint": o.fingerprint, "session": o.session_id,
-                    "server": list(o.server) if o.server else None, "model": run.model,
-                    "local_statistics": o.local_statistics,
-                    "local_forwards_done": _local_forwards_done(o.previous)}
-    journal.write_run(o.run_record)
+    journal.write_run({"fingerprint": o.fingerprint, "session": o.session_id,
+                       "server": list(o.server) if o.server else None, "model": run.model,
+                       "local_statistics": o.local_statistics,
+                       "flush_batches": o.flush_batches})
     run.uploaded = True
     run.stage = "upload"
-    return geometry, existing
+    return geometry
 
 
-def _check_local_resume(run: "_Run", client, existing) -> None:
-    """--resume --local-statistics of a session that holds statistics no
-    interrupted run in this work directory sent (--server, no journal):
-    refused, before the model loads, rather than deleted."""
-    o = run.o
-    if existing is None or not o.local_statistics or _local_forwards_done(o.previous):
-        return
-    if not o.previous or o.previous.get("session") != o.session_id:
-        raise CalibrateError(
-            f"--resume --local-statistics: session {o.session_id} on {client.target} already "
-            f"holds statistics that cannot be told apart by batch, and no interrupted run in "
-            f"{run.work} created it; delete it (kvcal delete) or pass another --session")
-
-
-def _local_forwards_done(previous: Optional[dict]) -> bool:
-    """The interrupted run streamed in local-statistics mode and its
-    producer closed: every batch's statistics are in the session."""
-    return bool(previous and previous.get("local_statistics")
-                and previous.get("local_forwards_done"))
-
-
-def _restart_local_session(run: "_Run", client, geometry, ui: _Ui):
-    """--resume of a --local-statistics run interrupted during its forwards:
-    the session holds the flushes sent so far, which cannot be matched to
-    batches (nothing is resumable by batch in that mode yet), so the
-    session the interrupted run created is deleted and made afresh, and
-    every batch runs again (_check_local_resume refused the other cases)."""
-    import kvcal
-
-    o = run.o
-    ui.say(f"resuming session {o.session_id}: the interrupted run used --local-statistics and "
-           f"stopped during its forwards, which cannot continue by batch; starting the "
-           f"forwards over in a fresh session")
-    try:
-        client.delete(o.session_id)
-        client.create_session(geometry=geometry, session_id=o.session_id)
-    except (kvcal.KvcalError, ValueError) as e:
-        raise CalibrateError(f"session {o.session_id} on {client.target}: {_first_line(e)}") from None
-    return None
 
 
 def _resume_point(journal: "_Journal", client, existing, nbatches: int):
@@ -901,6 +872,24 @@ def _resume_point(journal: "_Journal", client, existing, nbatches: int):
     return skip, start_sequence or 1
 
 
+def _local_resume_point(client, existing, nbatches: int, flush_batches: int):
+    """_resume_point of --local-statistics: (batches already on the worker,
+    the sequence to start at or None). Flush n is the producer's message n
+    and covers batches [(n-1) N, n N) (N = --flush-batches; the batches are
+    numbered 0, 1, ... with data in each, nothing is held out, no flush()
+    or time-based flush in between, the last flush at close), so a
+    watermark of w means the first w N batches are on the worker."""
+    if existing is None:
+        return 0, None
+    if client.workers is not None:
+        return 0, 1  # several workers: resend all, each drops the flushes it has
+    applied = 0
+    for p in existing.producers:
+        if p.producer_id == PRODUCER:
+            applied = p.sequence
+    return min(nbatches, applied * flush_batches), applied + 1
+
+
 def _forwards(run: "_Run", journal: "_Journal", client, existing, ui: _Ui) -> None:
     """The calibration windows through the model under capture, streamed to
     the worker; each batch's last chunk sequence journaled for --resume."""
@@ -913,18 +902,13 @@ def _forwards(run: "_Run", journal: "_Journal", client, existing, ui: _Ui) -> No
     o = run.o
     cal = o.sampled.calibration
     nbatches = -(-len(cal) // o.batch_size)
-    if o.local_statistics and existing is not None:
-        # _load_and_open_session left the session only when every batch's
-        # statistics are in it (the producer closed): nothing to send.
-        skip, start_sequence = nbatches, None
+    if o.local_statistics:
+        skip, start_sequence = _local_resume_point(client, existing, nbatches, o.flush_batches)
     else:
         skip, start_sequence = _resume_point(journal, client, existing, nbatches)
     if existing is not None:
         ui.say(f"resuming session {o.session_id}: {skip} of {nbatches} batches are on the worker")
     run.resumed = {"skipped_batches": skip, "batches": nbatches} if existing is not None else None
-    if o.local_statistics and skip == nbatches:
-        o.timings["forwards"] = o.timings["upload"] = 0.0
-        return
     kwargs = {"start_sequence": start_sequence} if start_sequence else {}
     if not o.server:
         # Its chunks are safe once applied (the worker writes its state when
@@ -933,8 +917,9 @@ def _forwards(run: "_Run", journal: "_Journal", client, existing, ui: _Ui) -> No
                       shared_memory=not o.local_statistics)
     if o.local_statistics:
         # Batches are accumulated here and sent as statistics every
-        # --flush-batches and at close (docs/local-statistics.md); no
-        # held-out window goes through this producer (scoring runs here).
+        # --flush-batches and at close (docs/local-statistics.md), each
+        # flush one message of the producer's sequence; no held-out window
+        # goes through this producer (scoring runs here).
         kwargs.update(local_statistics=True, flush_batches=o.flush_batches)
     t = time.monotonic()
     producer = kvcal.Producer(client, producer_id=PRODUCER, **kwargs)
@@ -943,7 +928,7 @@ def _forwards(run: "_Run", journal: "_Journal", client, existing, ui: _Ui) -> No
     done_before = journal.batches() if skip else {}
     try:
         with open(journal.batches_path, "w") as jf:
-            for b in range(skip):
+            for b in range(0 if o.local_statistics else skip):  # (local: none journaled)
                 journal.add(jf, b, done_before[b])
             with ui.bar(total=len(cal), desc="forwards", unit="sample") as bar:
                 bar.update(min(len(cal), skip * o.batch_size))
@@ -954,16 +939,15 @@ def _forwards(run: "_Run", journal: "_Journal", client, existing, ui: _Ui) -> No
                         o.model(batch.input_ids, attention_mask=batch.attention_mask,
                                 use_cache=False)
                         if client.workers is None and not o.local_statistics:
-                            # (local statistics: a batch is not on the
-                            # worker until a flush, so none is journaled)
+                            # (local statistics: the watermark alone says
+                            # which batches are flushed; none is journaled)
                             journal.add(jf, b, producer.last_sequence)
                         bar.update(batch.input_ids.shape[0])
+                        _test_seam(f"batch-{b}")
             o.timings["forwards"] = time.monotonic() - t
             t = time.monotonic()
             _close_with_bar(producer, ui)
             o.timings["upload"] = time.monotonic() - t
-            if o.local_statistics:  # every batch's statistics are in the session
-                journal.write_run(dict(o.run_record, local_forwards_done=True))
     except UnsupportedModelError as e:
         producer.__exit__(type(e), e, None)
         raise CalibrateError(_first_line(e)) from None
@@ -1076,7 +1060,8 @@ def _report_differs(rec: dict, chosen: select.Candidate) -> str:
 
 def _test_seam(stage: str) -> None:
     """KVCAL_CALIBRATE_TEST_FAIL=STAGE makes the run fail there (tests of
-    the cleanup after a failure; never set it otherwise)."""
+    the cleanup after a failure and of --resume; never set it otherwise):
+    "score", or "batch-B" after forward B (0, 1, ...)."""
     if os.environ.get("KVCAL_CALIBRATE_TEST_FAIL") == stage:
         raise CalibrateError(f"test failure injected at {stage} (KVCAL_CALIBRATE_TEST_FAIL)")
 

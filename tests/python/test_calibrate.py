@@ -11,10 +11,11 @@ GGUF once and cached), with the embedded worker from this build:
 - a run SIGKILLed mid-forward resumes with --resume and gives scales
   bit-identical to the uninterrupted run (every candidate's scales file);
 - --local-statistics --flush-batches 4 (statistics accumulated in the
-  process, sent in 4 flushes) gives every candidate's scales bit-identical
-  to the in-band run's; stopped at scoring, it resumes without any forward,
-  and a resume in the other mode is refused; --flush-batches without
-  --local-statistics, or 0, is a usage error (exit 2) that changes nothing;
+  process, sent in 4 flushes), stopped after forward 9 and resumed from the
+  worker's watermark, gives every candidate's scales bit-identical to the
+  in-band run's; a resume in the other mode or with another N is refused;
+  --flush-batches without --local-statistics, or 0, is a usage error
+  (exit 2) that changes nothing;
 - the embedded worker is gone after success, a failure and Ctrl-C (SIGINT);
 - bad inputs give one line on stderr, the exit code, and change nothing;
 - unit checks of the --out copy across file systems and the shared lock on
@@ -459,35 +460,56 @@ def assert_same_scales(first_scales, first_out, scales, out):
 
 def test_local_statistics_gives_the_same_scales(calibrated, smollm2_dir, dataset, tmp_path,
                                                 capsys):
-    """--local-statistics: the 14 calibration batches accumulated in the
-    process and sent as statistics every 4 batches (4 flushes, the last of
-    2 batches) give every candidate's scales (static min-max and the EMA,
-    which reads the per-batch records) bit-identical to the in-band run's,
-    and the same choice. --kv-cache-formats fp8 only saves the NVFP4
-    held-out passes: no scale depends on it. A failure at scoring, then
-    --resume, skips every batch (the flushes are in the kept session)."""
+    """--local-statistics --flush-batches 4: the 14 calibration batches are
+    accumulated in the process and sent as 4 flushes (batches 0-3, 4-7,
+    8-11 and, at close, 12-13), each a numbered message of the producer.
+    Stopped after forward 9 (flushes 1 and 2 queued, the second perhaps not
+    applied) and resumed, it skips the 4 or 8 batches the worker's watermark
+    covers and gives every candidate's scales (static min-max and the EMA,
+    which reads the per-batch records) and the patched checkpoint's scales
+    bit-identical to the in-band run's, with the same choice.
+    --kv-cache-formats fp8 only saves the NVFP4 held-out passes: no scale
+    depends on it. Resuming in the other mode, or with another
+    --flush-batches, is refused with nothing changed."""
     out, scales = str(tmp_path / "out"), str(tmp_path / "scales")
     work = out + ".kvcal-calibrate"
     args = (smollm2_dir, "--dataset", dataset, *ARGS, "--out", out, "--scales-dir", scales,
             "--kv-cache-formats", "fp8", "--local-statistics", "--flush-batches", "4", "--json")
-    failed = run(*args, extra_env={"KVCAL_CALIBRATE_TEST_FAIL": "score"})
+    failed = run(*args, extra_env={"KVCAL_CALIBRATE_TEST_FAIL": "batch-9"})
     assert failed.returncode == 1 and "--resume" in one_line(failed.stderr), failed.stderr[-3000:]
     assert wait_gone(work) == []
-    # The same work directory resumed in the other mode: refused before
-    # anything is started or changed.
     kept = snapshot(work)
-    code, err, _ = in_process(capsys, *args[:-4], "--resume", "--json")
-    assert code == 1, err
-    assert "ran with --local-statistics; rerun it the same way" in one_line(err), err
-    assert snapshot(work) == kept and workers_for(work) == []
+    for other, want in ((args[:-4], "ran with --local-statistics; rerun it the same way"),
+                        (args[:-2] + ("2",), "flushed every 4 batches, not 2")):
+        code, err, _ = in_process(capsys, *other, "--resume", "--json")
+        assert code == 1 and want in one_line(err), err
+        assert snapshot(work) == kept and workers_for(work) == []
     resumed = run(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     r = json.loads(resumed.stdout)
-    assert r["resumed"] == {"skipped_batches": 14, "batches": 14}, r["resumed"]
-    first = calibrated["json"]
-    assert r["chosen"]["label"] == first["chosen"]["label"]
+    assert r["resumed"]["batches"] == 14 and r["resumed"]["skipped_batches"] in (4, 8), r
+    assert r["chosen"]["label"] == calibrated["json"]["chosen"]["label"]
     assert_same_scales(calibrated["scales"], calibrated["out"], scales, out)
     assert workers_for(work) == [] and not os.path.exists(work)
+
+
+def test_local_statistics_resume_point():
+    """Flush n covers batches [(n-1) N, n N): a watermark of w skips w N
+    batches (at most all of them) and starts at w + 1; only this producer's
+    watermark counts; several workers resend every flush from 1 (each
+    worker drops what it has); a new session skips nothing."""
+    from types import SimpleNamespace as NS
+    from kvcal.calibrate_run import PRODUCER, _local_resume_point
+
+    one = NS(workers=None)
+    existing = NS(producers=[NS(producer_id="other", sequence=9),
+                             NS(producer_id=PRODUCER, sequence=2)])
+    assert _local_resume_point(one, existing, 14, 4) == (8, 3)
+    existing.producers[1].sequence = 4
+    assert _local_resume_point(one, existing, 14, 4) == (14, 5)
+    assert _local_resume_point(one, NS(producers=[]), 14, 4) == (0, 1)
+    assert _local_resume_point(one, None, 14, 4) == (0, None)
+    assert _local_resume_point(NS(workers=["a", "b"]), existing, 14, 4) == (0, 1)
 
 
 @pytest.mark.parametrize("extra, want", [
