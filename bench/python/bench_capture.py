@@ -12,7 +12,7 @@ GPL-3 text. Every forward is model(input_ids, use_cache=False) under
 torch.no_grad(), the call llm-compressor's basic pipeline makes.
 
 Five timings per round (best of `reps` rounds; each round runs them in the
-order bare, kvcal, kvcal shm, kvcal local, llm-compressor):
+order bare, kvcal, kvcal shm, kvcal local, kvcal local async, llm-compressor):
   bare     the forward passes alone;
   kvcal    a fresh session on a kvcal-worker started here (CPU backend, on
            127.0.0.1), kvcal.Producer + kvcal.torch.capture around the same
@@ -26,6 +26,9 @@ order bare, kvcal, kvcal shm, kvcal local, llm-compressor):
            runs the forwards, and ships them at close (the default
            flush_batches is larger than these batches: one flush), until the
            flush is applied;
+  kvcal local async  the same with local_async=True: put() copies each
+           tensor and a thread of the producer accumulates it, beside the
+           forwards (on the core they leave);
   llmc     llmcompressor.oneshot with QuantizationModifier(kv_cache_scheme=
            FP8 E4M3, per tensor, static min-max) on the same batches
            (pipeline "basic", a fresh copy of the model), wall time of the
@@ -129,7 +132,8 @@ def main():
         """Best of args.reps rounds of bare, kvcal and llm-compressor."""
         torch.set_num_threads(threads)
         best = {"bare": float("inf"), "kvcal": float("inf"), "kvcal_shm": float("inf"),
-                "kvcal_local": float("inf"), "llmc": float("inf"), "finalize": float("inf")}
+                "kvcal_local": float("inf"), "kvcal_local_async": float("inf"),
+                "llmc": float("inf"), "finalize": float("inf")}
         forwards(model)  # warm-up: first-call allocations, thread pools
         for rep in range(args.reps):
             start = time.perf_counter()
@@ -137,7 +141,9 @@ def main():
             best["bare"] = min(best["bare"], time.perf_counter() - start)
 
             for key, options in (("kvcal", {}), ("kvcal_shm", {"shared_memory": True}),
-                                 ("kvcal_local", {"local_statistics": True})):
+                                 ("kvcal_local", {"local_statistics": True}),
+                                 ("kvcal_local_async", {"local_statistics": True,
+                                                        "local_async": True})):
                 shared_memory = options.get("shared_memory", False)
                 client.create_session(model.config, session_id=f"bench-{key}-{threads}-{rep}")
                 start = time.perf_counter()
@@ -197,20 +203,23 @@ def main():
         bare = best["bare"]
         print(f"\nbench_capture: SmolLM2-135M float32 on CPU, {label}, {args.batches} batches of "
               f"{args.batch_size} x {args.seq_len} tokens ({tokens} tokens), best of {args.reps}")
-        print(f"{'':16s} {'seconds':>9s} {'added s':>9s} {'added/bare':>11s}")
-        print(f"{'bare forwards':16s} {bare:9.3f}")
+        print(f"{'':18s} {'seconds':>9s} {'added s':>9s} {'added/bare':>11s}")
+        print(f"{'bare forwards':18s} {bare:9.3f}")
         for name, key in (("kvcal capture", "kvcal"), ("kvcal shm", "kvcal_shm"),
-                          ("kvcal local", "kvcal_local"), ("llm-compressor", "llmc")):
+                          ("kvcal local", "kvcal_local"),
+                          ("kvcal local async", "kvcal_local_async"), ("llm-compressor", "llmc")):
             added = best[key] - bare
-            print(f"{name:16s} {best[key]:9.3f} {added:9.3f} {added / bare:11.3f}")
+            print(f"{name:18s} {best[key]:9.3f} {added:9.3f} {added / bare:11.3f}")
         print(f"kvcal finalize (apart): {best['finalize']:.3f} s")
         llmc_added = best["llmc"] - bare
         threads = dict(settings)[label]
         print("IngestRequest bytes per session (producer's wire_bytes): " + ", ".join(
             f"{name} {wire_bytes.get((threads, key))}" for name, key in
-            (("in-band", "kvcal"), ("shm", "kvcal_shm"), ("local", "kvcal_local"))))
+            (("in-band", "kvcal"), ("shm", "kvcal_shm"), ("local", "kvcal_local"),
+             ("local async", "kvcal_local_async"))))
         for name, key in (("kvcal", "kvcal"), ("kvcal shm", "kvcal_shm"),
-                          ("kvcal local", "kvcal_local")):
+                          ("kvcal local", "kvcal_local"),
+                          ("kvcal local async", "kvcal_local_async")):
             added = best[key] - bare
             print(f"{name}: added / llm-compressor added {added / llmc_added:.3f}; goal (adds "
                   f"<= 0.10 of the bare forwards and less than llm-compressor): "

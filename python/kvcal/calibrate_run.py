@@ -919,8 +919,10 @@ def _forwards(run: "_Run", journal: "_Journal", client, existing, ui: _Ui) -> No
         # Batches are accumulated here and sent as statistics every
         # --flush-batches and at close (docs/local-statistics.md), each
         # flush one message of the producer's sequence; no held-out window
-        # goes through this producer (scoring runs here).
-        kwargs.update(local_statistics=True, flush_batches=o.flush_batches)
+        # goes through this producer (scoring runs here). local_async: the
+        # engine runs on the producer's thread beside the forwards
+        # (bench_capture.py's "kvcal local async" row).
+        kwargs.update(local_statistics=True, flush_batches=o.flush_batches, local_async=True)
     t = time.monotonic()
     producer = kvcal.Producer(client, producer_id=PRODUCER, **kwargs)
     for _ in range(skip):

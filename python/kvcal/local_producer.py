@@ -20,10 +20,13 @@ producer that finds watermark w skips the first w N batches.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from typing import Callable, Optional, Set
+
+import numpy as np
 
 from kvcal.client import Client
 from kvcal.local_statistics import LocalStatistics
@@ -38,6 +41,98 @@ DEFAULT_FLUSH_BATCHES = 64
 _REQUEST_OVERHEAD = 1024
 
 
+def _host_copy(tensor):
+    """A copy of a host tensor (numpy array or torch CPU tensor) in the same
+    memory layout (a transposed view stays one, so the engine still reads
+    it in place); None for anything else (CUDA tensors are accumulated by
+    the caller's thread)."""
+    if isinstance(tensor, np.ndarray):
+        return tensor.copy(order="K")
+    try:
+        import torch
+    except ImportError:
+        return None
+    if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+        return tensor.detach().clone()  # preserve_format: same strides
+    return None
+
+
+class _Background:
+    """local_async=True: copies of host tensors accumulated on a thread of
+    its own, so that the engine's work runs beside the caller's (a forward
+    pass) instead of inside it. At most `max_bytes` of copies wait; put()
+    blocks beyond. A tensor the engine refuses fails the producer: the next
+    put(), flush() or close() raises ProducerError naming it, as a chunk the
+    worker refuses does in-band."""
+
+    def __init__(self, local: LocalStatistics, producer_id: str, max_bytes: int):
+        self._local = local
+        self._producer_id = producer_id
+        self._max_bytes = max_bytes
+        self._cv = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._held = 0
+        self._busy = False
+        self._closed = False
+        self.error: Optional[ProducerError] = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvcal-local-{producer_id}")
+        self._thread.start()
+
+    def put(self, copy, layer, role, batch, layout, head_offset) -> None:
+        nbytes = int(copy.nbytes) if hasattr(copy, "nbytes") else copy.numel() * copy.element_size()
+        with self._cv:
+            self._cv.wait_for(lambda: self.error is not None or not self._queue
+                              or self._held + nbytes <= self._max_bytes)
+            if self.error is not None:
+                raise self.error
+            self._queue.append((copy, nbytes, layer, role, batch, layout, head_offset))
+            self._held += nbytes
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Waits until every tensor put is accumulated; raises the error."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.error is not None or
+                              (not self._queue and not self._busy))
+            if self.error is not None:
+                raise self.error
+
+    def close(self, discard: bool = False) -> None:
+        with self._cv:
+            if discard:
+                self._queue.clear()
+                self._held = 0
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._busy = True
+            copy, nbytes, layer, role, batch, layout, head_offset = item
+            try:
+                if self.error is None:
+                    self._local.accumulate(layer, role, copy, batch=batch, layout=layout,
+                                           head_offset=head_offset)
+            except Exception as e:  # the engine's refusal
+                with self._cv:
+                    self.error = ProducerError(
+                        f"kvcal: producer {self._producer_id}: layer {layer} {role} batch "
+                        f"{batch}: {e}")
+            finally:
+                del copy, item
+                with self._cv:
+                    self._busy = False
+                    self._held -= nbytes
+                    self._cv.notify_all()
+
+
 class LocalFlushes:
     """One producer's local state for one worker and its flushes (see the
     module docs). `send(partial)` queues one pb.PartialStatistics as the
@@ -49,7 +144,8 @@ class LocalFlushes:
                  send: Callable[[pb.PartialStatistics], None], *,
                  flush_batches: int = DEFAULT_FLUSH_BATCHES,
                  flush_seconds: Optional[float] = None, backend: str = "cpu",
-                 device: int = 0):
+                 device: int = 0, asynchronous: bool = False,
+                 max_pending_bytes: int = 256 << 20):
         self.client = client
         self.session_id = session_id
         self.producer_id = producer_id
@@ -64,6 +160,8 @@ class LocalFlushes:
         self._last_flush = time.monotonic()
         self._lock = threading.Lock()
         self._error: Optional[ProducerError] = None  # raised from then on
+        self._background = (_Background(self.local, producer_id, max_pending_bytes)
+                            if asynchronous else None)
 
     def accumulate(self, layer: int, role, tensor, *, batch: int, layout: int,
                    head_offset: int) -> None:
@@ -73,8 +171,12 @@ class LocalFlushes:
             self._raise_if_failed_locked()
             if batch not in self._batches and self._due_locked():
                 self._flush_locked()
-            self.local.accumulate(layer, role, tensor, batch=batch, layout=layout,
-                                  head_offset=head_offset)
+            copy = _host_copy(tensor) if self._background is not None else None
+            if copy is not None:
+                self._background.put(copy, layer, role, batch, layout, head_offset)
+            else:
+                self.local.accumulate(layer, role, tensor, batch=batch, layout=layout,
+                                      head_offset=head_offset)
             self._batches.add(batch)
 
     def batch_started(self, batch: int) -> None:
@@ -97,8 +199,18 @@ class LocalFlushes:
         with self._lock:
             if self._error is None:
                 self._error = ProducerError(why)
+            if self._background is not None:
+                self._background.close(discard=True)
+                self._background = None
             self.local.reset()
             self._batches.clear()
+
+    def close(self) -> None:
+        """Stops the background accumulator (after flush())."""
+        with self._lock:
+            if self._background is not None:
+                self._background.close()
+                self._background = None
 
     def _due_locked(self) -> bool:
         if not self._batches:
@@ -109,10 +221,18 @@ class LocalFlushes:
                 and time.monotonic() - self._last_flush >= self.flush_seconds)
 
     def _raise_if_failed_locked(self) -> None:
+        if self._error is None and self._background is not None:
+            self._error = self._background.error
         if self._error is not None:
             raise ProducerError(str(self._error)) from self._error
 
     def _flush_locked(self) -> None:
+        if self._background is not None:
+            try:
+                self._background.drain()
+            except ProducerError as e:
+                self._error = e
+                raise
         self._last_flush = time.monotonic()
         counters = self.local.counters
         if counters["chunks_applied"] == 0:

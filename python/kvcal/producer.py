@@ -117,14 +117,15 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusC
 def _check_options(chunk_bytes=4 << 20, max_pending_chunks=1024, max_pending_bytes=512 << 20,
                    window=DEFAULT_WINDOW, start_sequence=None, reconnect_timeout=120.0,
                    durable_timeout=120.0, local_statistics=False, flush_batches=None,
-                   flush_seconds=None, local_backend=None, local_device=None, **_):
+                   flush_seconds=None, local_backend=None, local_device=None,
+                   local_async=None, **_):
     """The numeric arguments of Producer, checked before it connects, with
     the CLI's ranges for chunk_bytes and window (push --chunk-bytes,
     --window): a ValueError naming the argument and what is valid."""
     if flush_batches is not None and not local_statistics:
         raise ValueError("kvcal: Producer: flush_batches is for local_statistics=True")
     for name, value in (("flush_seconds", flush_seconds), ("local_backend", local_backend),
-                        ("local_device", local_device)):
+                        ("local_device", local_device), ("local_async", local_async)):
         if value is not None and not local_statistics:
             raise ValueError(f"kvcal: Producer: {name} is for local_statistics=True")
     if local_backend is not None and local_backend not in ("cpu", "cuda", "auto"):
@@ -462,13 +463,15 @@ class WorkerProducer(_ProducerBase):
                  reconnect_timeout: float = 120.0, durable_timeout: float = 120.0,
                  shared_memory: bool = False, local_statistics: bool = False,
                  flush_batches: Optional[int] = None, flush_seconds: Optional[float] = None,
-                 local_backend: Optional[str] = None, local_device: Optional[int] = None):
+                 local_backend: Optional[str] = None, local_device: Optional[int] = None,
+                 local_async: Optional[bool] = None):
         _check_options(chunk_bytes=chunk_bytes, max_pending_chunks=max_pending_chunks,
                        max_pending_bytes=max_pending_bytes, window=window,
                        start_sequence=start_sequence, reconnect_timeout=reconnect_timeout,
                        durable_timeout=durable_timeout, local_statistics=local_statistics,
                        flush_batches=flush_batches, flush_seconds=flush_seconds,
-                       local_backend=local_backend, local_device=local_device)
+                       local_backend=local_backend, local_device=local_device,
+                       local_async=local_async)
         workers = getattr(client, "workers", None)
         if workers is not None:
             raise ValueError(f"kvcal: a WorkerProducer streams to one worker and this client has "
@@ -534,14 +537,14 @@ class WorkerProducer(_ProducerBase):
         self._acked = self._durable = self._next_sequence - 1
         self._wire_bytes = 0  # serialized IngestRequests sent (resends included)
         self._local = self._make_local(local_statistics, flush_batches, flush_seconds,
-                                       local_backend, local_device)
+                                       local_backend, local_device, bool(local_async))
         self._thread = threading.Thread(target=self._run, name=f"kvcal-producer-{self.producer_id}",
                                         daemon=True)
         self._thread.start()
 
     def _make_local(self, local_statistics: bool, flush_batches: Optional[int],
                     flush_seconds: Optional[float], backend: Optional[str],
-                    device: Optional[int]):
+                    device: Optional[int], asynchronous: bool):
         """local_statistics=True: the LocalFlushes that put() hands the batches
         that are not held out to, instead of sending them; else None."""
         if not local_statistics:
@@ -551,7 +554,8 @@ class WorkerProducer(_ProducerBase):
         return LocalFlushes(
             self.client, self.session_id, self.producer_id, self._put_partial,
             flush_batches=DEFAULT_FLUSH_BATCHES if flush_batches is None else flush_batches,
-            flush_seconds=flush_seconds, backend=backend or "cpu", device=device or 0)
+            flush_seconds=flush_seconds, backend=backend or "cpu", device=device or 0,
+            asynchronous=asynchronous, max_pending_bytes=self.max_pending_bytes)
 
     # -- producer side ---------------------------------------------------------
     @property
@@ -711,6 +715,8 @@ class WorkerProducer(_ProducerBase):
             if self._thread.is_alive():
                 self.flush(timeout=None)  # the local state first, then the chunks
         finally:
+            if self._local is not None:
+                self._local.close()
             with self._cv:
                 self._closing = True
                 self._cv.notify_all()  # the sender half-closes the stream
@@ -1205,7 +1211,7 @@ def Producer(client: Client, session_id: Optional[str] = None, producer_id: str 
     arguments (chunk_bytes, max_pending_chunks, max_pending_bytes, window,
     keep_until_durable, start_sequence, resume, reconnect_timeout,
     durable_timeout, shared_memory, local_statistics, flush_batches,
-    flush_seconds, local_backend, local_device). Both
+    flush_seconds, local_backend, local_device, local_async). Both
     types have the same methods: put, new_batch, flush, close, stats, and
     use as a context manager.
 
@@ -1219,8 +1225,11 @@ def Producer(client: Client, session_id: Optional[str] = None, producer_id: str 
     as chunks as always. local_backend="cuda" (or "auto": CUDA when the
     extension has it and a device exists) keeps the statistics on GPU
     local_device and reads torch CUDA tensors there in place; "cpu" (the
-    default) copies them to host memory first. Needs the extension
-    kvcal._engine."""
+    default) copies them to host memory first. local_async=True: put()
+    copies a host tensor and a thread of the producer accumulates it, beside
+    the caller's forward pass; a tensor the engine refuses then fails the
+    producer (ProducerError from the next call, as in-band) instead of
+    raising ValueError from put(). Needs the extension kvcal._engine."""
     if getattr(client, "workers", None) is not None:
         return ShardedProducer(client, session_id, producer_id, **options)
     return WorkerProducer(client, session_id, producer_id, **options)

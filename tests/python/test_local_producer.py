@@ -155,6 +155,37 @@ def test_local_statistics_producer_equals_in_band(two_sessions):
     assert all(len(h[9]) == 6 * 3 for h in heads)
 
 
+def test_local_async_equals_in_band(two_sessions):
+    """local_async=True: the tensors are copied by put() and accumulated on
+    the producer's own thread; same scales as in-band, and the caller may
+    overwrite its tensor right after put(). A tensor the engine refuses
+    fails the producer at the next call, naming it; nothing of it counted."""
+    wired, local = two_sessions
+    feed(wired)
+    feed(local, local_statistics=True, flush_batches=2, local_async=True)
+    assert all_scales(local) == all_scales(wired)
+    assert local.status().values_ingested == wired.status().values_ingested
+
+    # The buffer reused at once: the copy was taken in put().
+    buffer = np.ones((5, 2, 16), np.float32)
+    before = local.status().values_ingested
+    with kvcal.Producer(local, producer_id="reuse", local_statistics=True,
+                        local_async=True) as producer:
+        producer.put(0, "k", buffer, layout="tokens_heads_dim")
+        buffer[:] = 1e6
+    assert local.status().values_ingested == before + buffer.size
+    assert max(local.finalize_response(observer="static_minmax").layers[0].k.absmax) < 1e6
+
+    producer = kvcal.Producer(local, producer_id="bad", local_statistics=True, local_async=True)
+    producer.put(0, "k", np.zeros((4, 2, 8), np.float32), layout="tokens_heads_dim")
+    with pytest.raises(kvcal.ProducerError, match="layer 0 k batch 0: .*head_dim"):
+        producer.flush()
+    with pytest.raises(kvcal.ProducerError, match="head_dim"):
+        producer.put(0, "k", buffer, layout="tokens_heads_dim")
+    producer.abandon()
+    assert local.status().values_ingested == before + buffer.size
+
+
 def test_flush_batches_needs_local_statistics(worker):
     client = kvcal.Client(worker.target)
     client.create_session(geometry=GEOMETRY)
@@ -162,7 +193,8 @@ def test_flush_batches_needs_local_statistics(worker):
         kvcal.Producer(client, flush_batches=2)
     with pytest.raises(ValueError, match="flush_batches"):
         kvcal.Producer(client, local_statistics=True, flush_batches=0)
-    for name, value in (("flush_seconds", 1.0), ("local_backend", "cpu"), ("local_device", 0)):
+    for name, value in (("flush_seconds", 1.0), ("local_backend", "cpu"), ("local_device", 0),
+                        ("local_async", True)):
         with pytest.raises(ValueError, match=f"{name} is for local_statistics=True"):
             kvcal.Producer(client, **{name: value})
     with pytest.raises(ValueError, match="flush_seconds"):
