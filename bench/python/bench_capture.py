@@ -50,47 +50,21 @@ way.
 import argparse
 import copy
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_worker  # noqa: E402
 
 BUILD = os.environ.get("KVCAL_BUILD_DIR", os.path.join(ROOT, "build"))
 WORKER_BIN = os.path.join(BUILD, "service", "kvcal-worker")
 
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                    "symmetric": True, "observer": "static_minmax"}
-
-
-class Worker:
-    """A kvcal-worker process on 127.0.0.1 for the length of the benchmark."""
-
-    def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="kvcal-bench-")
-        port_file = os.path.join(self.dir, "port")
-        self.log = open(os.path.join(self.dir, "worker.log"), "wb")
-        self.proc = subprocess.Popen([WORKER_BIN, "--listen", "127.0.0.1:0", "--port-file",
-                                      port_file, "--backend", "cpu"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvcal-worker exited {self.proc.returncode}")
-            if os.path.exists(port_file):
-                text = open(port_file).read().strip()
-                if text:
-                    self.target = f"127.0.0.1:{int(text)}"
-                    return
-            time.sleep(0.02)
-        raise RuntimeError("kvcal-worker did not write its port")
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 def main():
@@ -189,7 +163,7 @@ def main():
             settings.append((f"torch on {int(name)} threads", int(name)))
 
     wire_bytes = {}  # (torch threads, row) -> the producer's wire_bytes (last round)
-    worker = Worker()
+    worker = bench_worker.Worker(WORKER_BIN)
     client = kvcal.Client(worker.target)
     results = []
     try:

@@ -73,15 +73,14 @@ import argparse
 import multiprocessing
 import os
 import resource
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_worker  # noqa: E402
 
 BUILD = os.environ.get("KVCAL_BUILD_DIR", os.path.join(ROOT, "build"))
 WORKER_BIN = os.path.join(BUILD, "service", "kvcal-worker")
@@ -180,58 +179,10 @@ def producer_main(index, args, conn):
 
 
 # -- workers ------------------------------------------------------------------------
-class Worker:
-    """One kvcal-worker on 127.0.0.1 (port 0: the kernel picks it)."""
-
-    def __init__(self, worker_id, max_message_bytes):
-        self.dir = tempfile.mkdtemp(prefix="kvcal-bench-job-")
-        port_file = os.path.join(self.dir, "port")
-        self.log_path = os.path.join(self.dir, "worker.log")
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [WORKER_BIN, "--listen", "127.0.0.1:0", "--port-file", port_file,
-                 "--backend", "cpu", "--worker-id", worker_id,
-                 "--max-message-bytes", str(max_message_bytes)],
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvcal-worker exited {self.proc.returncode}: {self.log()}")
-            if os.path.exists(port_file):
-                text = open(port_file).read().strip()
-                if text:
-                    self.target = f"127.0.0.1:{int(text)}"
-                    return
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError("kvcal-worker did not write its port: " + self.log())
-
-    def log(self):
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-2000:]
-
-    def peak_rss(self):
-        """VmHWM in bytes (the process's peak resident set)."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmHWM in /proc/PID/status")
-
-    def cpu_seconds(self):
-        """user+sys CPU seconds of the process so far (/proc/PID/stat)."""
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def Worker(worker_id, max_message_bytes):
+    """One kvcal-worker on 127.0.0.1 (bench_worker.Worker) with this id."""
+    return bench_worker.Worker(WORKER_BIN, "--worker-id", worker_id,
+                               "--max-message-bytes", str(max_message_bytes))
 
 
 # -- the run ----------------------------------------------------------------------
