@@ -850,8 +850,6 @@ def _load_and_open_session(run: "_Run", journal: "_Journal", client, existing, u
     return geometry
 
 
-
-
 def _resume_point(journal: "_Journal", client, existing, nbatches: int):
     """(batches already on the worker, the sequence to start at or None)."""
     if existing is None:
