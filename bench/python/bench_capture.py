@@ -34,9 +34,9 @@ order bare, kvcal, kvcal shm, kvcal local, kvcal local async, llm-compressor):
            (pipeline "basic", a fresh copy of the model), wall time of the
            call.
 Printed: the times, the time each adds to the bare forwards, and the
-ratios added/bare. Goal (issue 14): kvcal adds <= 10% and less than
-llm-compressor adds; issue 27 asks the same of the local-statistics row
-with a core left to kvcal. Finalize is timed apart (it is not part of the
+ratios added/bare. Goal: kvcal adds <= 10% and less than llm-compressor
+adds, in every capture row, the local-statistics ones included, with a
+core left to kvcal. Finalize is timed apart (it is not part of the
 forwards).
 
 Everything is measured twice (`--threads`, default "all,spare"): with torch

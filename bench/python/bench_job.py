@@ -1,6 +1,6 @@
 """A calibration job of a Llama-3-70B geometry with P producer processes and
 W kvcal-worker processes on loopback, in-band and with local statistics
-side by side in one run (issue 27).
+side by side in one run (docs/scaling.md).
 
     python bench/python/bench_job.py                       # the ./run bench scale
     python bench/python/bench_job.py --tokens 256 --batches 4 --flush-batches 4   # docs/scaling.md
