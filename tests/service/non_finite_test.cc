@@ -17,6 +17,7 @@
 #include "service/proto_convert.h"
 #include "service/session.h"
 #include "service/session_registry.h"
+#include "tests/service/session_fixture.h"
 
 namespace kvcal::service {
 namespace {
@@ -26,49 +27,21 @@ using ::testing::HasSubstr;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-const Geometry kGeometry{.num_layers = 2,
-                         .num_attention_heads = 4,
-                         .num_key_value_heads = 2,
-                         .head_dim = 8,
-                         .bins_per_octave = 16};
+using fixture::kGeometry;
 
-// A [tokens, heads, head_dim] f32 chunk owning its bytes.
-struct Chunk {
-  std::vector<float> values;
-  ChunkView view;
-
+// A [tokens, heads, 8] f32 chunk of a fixed ramp of values.
+struct Chunk : fixture::OwnedChunk {
   Chunk(uint32_t layer, Role role, uint32_t tokens, uint32_t heads,
-        uint64_t batch = 0) {
-    values.resize(static_cast<size_t>(tokens) * heads * 8);
+        uint64_t batch = 0)
+      : OwnedChunk(layer, role, tokens, heads, batch) {
     for (size_t i = 0; i < values.size(); ++i) {
       values[i] = 0.01f * static_cast<float>(i % 97) - 0.3f;
     }
-    view.layer = layer;
-    view.role = role;
-    view.dtype = DType::kF32;
-    view.layout = Layout::kTokensHeadsDim;
-    view.shape = {tokens, heads, 8};
-    view.batch = batch;
-    Rebind();
-  }
-  void Rebind() {
-    view.data = absl::Span<const std::byte>(
-        reinterpret_cast<const std::byte*>(values.data()),
-        values.size() * sizeof(float));
-  }
-  // Element (token, head, dim).
-  void Set(uint32_t token, uint32_t head, uint32_t dim, float x) {
-    values[(static_cast<size_t>(token) * view.shape[1] + head) * 8 + dim] = x;
   }
 };
 
 std::shared_ptr<Session> MakeSession(bool reject) {
-  SessionOptions options;
-  options.backend = BackendKind::kCpu;
-  options.reject_non_finite = reject;
-  auto session = Session::Create("s", "t", kGeometry, options);
-  EXPECT_TRUE(session.ok()) << session.status();
-  return session.ok() ? *session : nullptr;
+  return fixture::MakeCpuSession(kGeometry, reject);
 }
 
 // Everything a refused chunk must leave as it was.
@@ -189,7 +162,8 @@ TEST(NonFiniteSessionTest, PiecesAndHeldOutChunksAreCheckedToo) {
   pieces.data = {};
   const absl::Span<const std::byte> bytes = bad.view.data;
   for (size_t at = 0; at < bytes.size(); at += 7) {
-    pieces.pieces.push_back(bytes.subspan(at, std::min<size_t>(7, bytes.size() - at)));
+    pieces.pieces.push_back(
+        bytes.subspan(at, std::min<size_t>(7, bytes.size() - at)));
   }
   auto refused = session->Ingest("p", 1, pieces);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
@@ -287,8 +261,9 @@ TEST(NonFiniteSessionTest, ImportsCannotBringNonFiniteValuesIn) {
   forged.reject_non_finite = true;
   SessionOptions options;
   options.backend = BackendKind::kCpu;
-  EXPECT_EQ(Session::FromSnapshot("f", "t", forged, options, "").status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      Session::FromSnapshot("f", "t", forged, options, "").status().code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 // The option travels with the state: ExportState, the state dir's

@@ -12,55 +12,31 @@
 #include "gtest/gtest.h"
 #include "service/session.h"
 #include "service/session_registry.h"
+#include "tests/service/session_fixture.h"
 
 namespace kvcal::service {
 namespace {
 
 using ::testing::HasSubstr;
 
-const Geometry kGeometry{.num_layers = 2,
-                         .num_attention_heads = 4,
-                         .num_key_value_heads = 2,
-                         .head_dim = 8,
-                         .bins_per_octave = 16};
+using fixture::kGeometry;
 
-// A [tokens, heads, 8] f32 chunk owning its bytes: heavy-tailed values, a
-// different pattern per (seed, batch).
-struct Chunk {
-  std::vector<float> values;
-  ChunkView view;
-
+// A [5, heads, 8] f32 chunk of heavy-tailed values, a different pattern per
+// (seed, batch).
+struct Chunk : fixture::OwnedChunk {
   Chunk(uint32_t layer, Role role, uint32_t heads, uint64_t batch,
-        uint32_t seed) {
-    const uint32_t tokens = 5;
-    values.resize(static_cast<size_t>(tokens) * heads * 8);
+        uint32_t seed)
+      : OwnedChunk(layer, role, /*tokens=*/5, heads, batch) {
     uint32_t x = seed * 2654435761u + static_cast<uint32_t>(batch) + 1;
     for (float& v : values) {
       x = x * 1664525u + 1013904223u;
       const float u = static_cast<float>(x >> 8) / 16777216.0f - 0.5f;
       v = u / (0.02f + std::abs(u)) * static_cast<float>(1 + batch % 3);
     }
-    view.layer = layer;
-    view.role = role;
-    view.dtype = DType::kF32;
-    view.layout = Layout::kTokensHeadsDim;
-    view.shape = {tokens, heads, 8};
-    view.batch = batch;
-    view.data = absl::Span<const std::byte>(
-        reinterpret_cast<const std::byte*>(values.data()),
-        values.size() * sizeof(float));
   }
 };
 
-std::shared_ptr<Session> MakeSession(const Geometry& g,
-                                     bool reject_non_finite = false) {
-  SessionOptions options;
-  options.backend = BackendKind::kCpu;
-  options.reject_non_finite = reject_non_finite;
-  auto session = Session::Create("s", "t", g, options);
-  EXPECT_TRUE(session.ok()) << session.status();
-  return session.ok() ? *session : nullptr;
-}
+using fixture::MakeCpuSession;
 
 // The chunks of batches [first, last) for every layer and role.
 std::vector<Chunk> Batches(uint64_t first, uint64_t last, uint32_t seed) {
@@ -83,7 +59,7 @@ struct Partial {
 };
 
 Partial Accumulate(const std::vector<Chunk>& chunks) {
-  std::shared_ptr<Session> local = MakeSession(kGeometry);
+  std::shared_ptr<Session> local = MakeCpuSession(kGeometry, false);
   uint64_t sequence = 0;
   for (const Chunk& c : chunks) {
     EXPECT_TRUE(local->Ingest("local", ++sequence, c.view).ok());
@@ -133,12 +109,12 @@ void ExpectSameScales(Session& a, Session& b) {
 TEST(PartialStatisticsTest, NumberedPartialsEqualTheChunksInBand) {
   // In-band: batches 0..5 as chunks. Partial: the same batches as three
   // partials of two batches each, sequences 1..3.
-  std::shared_ptr<Session> in_band = MakeSession(kGeometry);
+  std::shared_ptr<Session> in_band = MakeCpuSession(kGeometry, false);
   uint64_t sequence = 0;
   for (const Chunk& c : Batches(0, 6, 7)) {
     ASSERT_TRUE(in_band->Ingest("p", ++sequence, c.view).ok());
   }
-  std::shared_ptr<Session> partial = MakeSession(kGeometry);
+  std::shared_ptr<Session> partial = MakeCpuSession(kGeometry, false);
   for (uint64_t n = 0; n < 3; ++n) {
     auto outcome =
         Send(*partial, n + 1, Accumulate(Batches(2 * n, 2 * n + 2, 7)));
@@ -157,7 +133,7 @@ TEST(PartialStatisticsTest, NumberedPartialsEqualTheChunksInBand) {
 }
 
 TEST(PartialStatisticsTest, DuplicatesChangeNothingAndGapsAreRefused) {
-  std::shared_ptr<Session> session = MakeSession(kGeometry);
+  std::shared_ptr<Session> session = MakeCpuSession(kGeometry, false);
   const Partial first = Accumulate(Batches(0, 2, 3));
   ASSERT_TRUE(Send(*session, 1, first).ok());
   auto before = session->Export();
@@ -188,7 +164,7 @@ TEST(PartialStatisticsTest, DuplicatesChangeNothingAndGapsAreRefused) {
 }
 
 TEST(PartialStatisticsTest, OtherOptionsAreFailedPreconditionAndChangeNothing) {
-  std::shared_ptr<Session> session = MakeSession(kGeometry);
+  std::shared_ptr<Session> session = MakeCpuSession(kGeometry, false);
   ASSERT_TRUE(Send(*session, 1, Accumulate(Batches(0, 1, 1))).ok());
   auto before = session->Export();
   ASSERT_TRUE(before.ok());
@@ -220,7 +196,7 @@ TEST(PartialStatisticsTest, NonFiniteRefusedWhenTheSessionRejectsThem) {
   std::vector<Chunk> chunks = Batches(0, 1, 2);
   chunks[1].values[3] = std::nanf("");
   const Partial with_nan = Accumulate(chunks);
-  std::shared_ptr<Session> rejecting = MakeSession(kGeometry, true);
+  std::shared_ptr<Session> rejecting = MakeCpuSession(kGeometry, true);
   auto refused = Send(*rejecting, 1, with_nan);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.status().message(), HasSubstr("rejects non-finite"));
@@ -228,7 +204,7 @@ TEST(PartialStatisticsTest, NonFiniteRefusedWhenTheSessionRejectsThem) {
   ASSERT_TRUE(info.ok());
   EXPECT_TRUE(info->producers.empty());  // not even registered
   // Counted where the session counts them.
-  std::shared_ptr<Session> counting = MakeSession(kGeometry);
+  std::shared_ptr<Session> counting = MakeCpuSession(kGeometry, false);
   ASSERT_TRUE(Send(*counting, 1, with_nan).ok());
   auto counted = counting->Info();
   ASSERT_TRUE(counted.ok());
