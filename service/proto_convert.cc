@@ -4,28 +4,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/wire_enums.h"
+#include "proto/wire_geometry.h"
 #include "util/status_macros.h"
 
 namespace kvcal::service {
 namespace {
 
 namespace v1 = kvcal::v1;
-
-absl::StatusOr<uint32_t> RoleMaskFromProto(
-    const google::protobuf::RepeatedField<int>& roles) {
-  if (roles.empty()) return 0b111u;
-  uint32_t mask = 0;
-  for (int role : roles) {
-    if (role < kvcal::v1::ROLE_Q || role > kvcal::v1::ROLE_V) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("roles contains ", role,
-                       (role == 0 ? " (ROLE_UNSPECIFIED)" : " (unknown)"),
-                       "; use ROLE_Q, ROLE_K or ROLE_V"));
-    }
-    mask |= 1u << RoleIndex(static_cast<Role>(role));
-  }
-  return mask;
-}
 
 void RolesToProto(const Geometry& geometry,
                   google::protobuf::RepeatedField<int>* out) {
@@ -54,14 +39,7 @@ void GeometryAndCountersToProto(const Geometry& g,
 
 absl::StatusOr<Geometry> GeometryFromProto(
     const kvcal::v1::CreateSessionRequest& request) {
-  Geometry g;
-  g.num_layers = request.num_layers();
-  g.num_attention_heads = request.num_attention_heads();
-  g.num_key_value_heads = request.num_key_value_heads();
-  g.head_dim = request.head_dim();
-  g.bins_per_octave = request.histogram_bins_per_octave();
-  KVCAL_ASSIGN_OR_RETURN(g.role_mask, RoleMaskFromProto(request.roles()));
-  return g;
+  return GeometryFromWire(request);
 }
 
 ChunkView ChunkFromProto(const kvcal::v1::IngestRequest& request) {
@@ -350,13 +328,8 @@ absl::StatusOr<SessionSnapshot> SnapshotFromProto(
                      "; this worker reads version 1"));
   }
   SessionSnapshot snapshot;
-  Geometry& g = snapshot.geometry;
-  g.num_layers = state.num_layers();
-  g.num_attention_heads = state.num_attention_heads();
-  g.num_key_value_heads = state.num_key_value_heads();
-  g.head_dim = state.head_dim();
-  g.bins_per_octave = state.histogram_bins_per_octave();
-  KVCAL_ASSIGN_OR_RETURN(g.role_mask, RoleMaskFromProto(state.roles()));
+  KVCAL_ASSIGN_OR_RETURN(snapshot.geometry, GeometryFromWire(state));
+  const Geometry& g = snapshot.geometry;
   if (absl::Status s = g.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("state has invalid geometry: ", s.message()));

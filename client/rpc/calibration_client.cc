@@ -24,28 +24,13 @@
 #include "absl/strings/str_split.h"
 #include "client/checkpoint/safetensors.h"
 #include "client/rpc/sharding.h"
-#include "proto/wire_enums.h"
+#include "proto/wire_geometry.h"
 #include "util/host_port.h"
 #include "util/status_macros.h"
 #include "util/strings.h"
 
 namespace kvcal {
 namespace {
-
-// The engine's geometry of a session as a worker reports it.
-Geometry SessionGeometry(const v1::Session& s) {
-  Geometry g;
-  g.num_layers = s.num_layers();
-  g.num_attention_heads = s.num_attention_heads();
-  g.num_key_value_heads = s.num_key_value_heads();
-  g.head_dim = s.head_dim();
-  g.bins_per_octave = s.histogram_bins_per_octave();
-  g.role_mask = 0;
-  for (int r : s.roles()) {
-    g.role_mask |= 1u << RoleIndex(FromWire(static_cast<v1::Role>(r)));
-  }
-  return g;
-}
 
 constexpr absl::Duration kRpcTimeout = absl::Seconds(60);
 
@@ -560,7 +545,7 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
           "local statistics need UploaderOptions::build_partials "
           "(kvcal_local_partials' BuildPartials)");
     }
-    const Geometry geometry = SessionGeometry(session);
+    KVCAL_ASSIGN_OR_RETURN(const Geometry geometry, GeometryFromWire(session));
     for (size_t i = 0; i < workers_.size(); ++i) {
       KVCAL_ASSIGN_OR_RETURN(
           partials[i],
