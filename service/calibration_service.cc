@@ -226,11 +226,16 @@ grpc::ServerUnaryReactor* CalibrationService::ImportState(
       });
 }
 
-namespace {
-
-pb::IngestResponse IngestResponseOf(const std::string& producer,
-                                    uint64_t sequence,
-                                    const IngestOutcome& outcome) {
+pb::IngestResponse CalibrationService::Acknowledge(const std::string& producer,
+                                                   uint64_t sequence,
+                                                   const IngestOutcome& outcome,
+                                                   uint64_t bytes,
+                                                   uint64_t values) {
+  if (outcome.applied) {
+    metrics_.RecordIngest(bytes, values);
+  } else {
+    metrics_.RecordDuplicate();
+  }
   pb::IngestResponse response;
   response.set_producer_id(producer);
   response.set_sequence(sequence);
@@ -239,8 +244,6 @@ pb::IngestResponse IngestResponseOf(const std::string& producer,
   response.set_durable_watermark(outcome.durable_watermark);
   return response;
 }
-
-}  // namespace
 
 absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
     const std::string& tenant, const pb::IngestRequest& request,
@@ -297,13 +300,9 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyChunk(
       const IngestOutcome outcome,
       (*session)->Ingest(producer, request.sequence(), chunk, request.holdout(),
                          /*device_data=*/lease.device()));
-  if (outcome.applied) {
-    const uint64_t element_size = request.dtype() == pb::DTYPE_F32 ? 4 : 2;
-    metrics_.RecordIngest(data_bytes, data_bytes / element_size);
-  } else {
-    metrics_.RecordDuplicate();
-  }
-  return IngestResponseOf(producer, request.sequence(), outcome);
+  const uint64_t element_size = request.dtype() == pb::DTYPE_F32 ? 4 : 2;
+  return Acknowledge(producer, request.sequence(), outcome, data_bytes,
+                     data_bytes / element_size);
 }
 
 absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyPartial(
@@ -339,12 +338,8 @@ absl::StatusOr<pb::IngestResponse> CalibrationService::ApplyPartial(
           std::vector<std::string>(request.shard_worker_ids().begin(),
                                    request.shard_worker_ids().end()),
           options_.worker_id));
-  if (outcome.applied) {
-    metrics_.RecordIngest(partial.statistics().size(), partial.values());
-  } else {
-    metrics_.RecordDuplicate();
-  }
-  return IngestResponseOf(producer, request.sequence(), outcome);
+  return Acknowledge(producer, request.sequence(), outcome,
+                     partial.statistics().size(), partial.values());
 }
 
 void CalibrationService::SessionToProto(const SessionInfo& info,

@@ -161,6 +161,12 @@ class CalibrationService final : public calibration_grpc::Base {
       const std::string& tenant, const kvcal::v1::IngestRequest& request,
       const std::vector<absl::Span<const std::byte>>& data,
       uint64_t data_bytes);
+  // The response to an ingested message; an applied one counts `bytes` and
+  // `values` in the metrics, another as a duplicate.
+  kvcal::v1::IngestResponse Acknowledge(const std::string& producer,
+                                        uint64_t sequence,
+                                        const IngestOutcome& outcome,
+                                        uint64_t bytes, uint64_t values);
   // ApplyChunk for a message carrying partial_statistics instead of a chunk.
   absl::StatusOr<kvcal::v1::IngestResponse> ApplyPartial(
       const std::shared_ptr<Session>& session, const std::string& producer,
