@@ -80,7 +80,7 @@ class _Background:
         self._thread.start()
 
     def put(self, copy, layer, role, batch, layout, head_offset) -> None:
-        nbytes = int(copy.nbytes) if hasattr(copy, "nbytes") else copy.numel() * copy.element_size()
+        nbytes = int(copy.nbytes)  # numpy and torch alike
         with self._cv:
             self._cv.wait_for(lambda: self.error is not None or not self._queue
                               or self._held + nbytes <= self._max_bytes)
@@ -101,8 +101,8 @@ class _Background:
     def close(self, discard: bool = False) -> None:
         with self._cv:
             if discard:
+                self._held -= sum(item[1] for item in self._queue)
                 self._queue.clear()
-                self._held = 0
             self._closed = True
             self._cv.notify_all()
         self._thread.join()
