@@ -12,6 +12,7 @@
 #include "client/rpc/progress.h"
 #include "kernels/scale_math.h"
 #include "proto/names.h"
+#include "proto/wire_geometry.h"
 #include "util/file_io.h"
 #include "util/status_macros.h"
 
@@ -81,11 +82,10 @@ absl::StatusOr<PushSummary> PushDump(CalibrationClient& client,
                                      UploaderOptions options, bool progress,
                                      uint64_t holdout_last_batches) {
   KVCAL_ASSIGN_OR_RETURN(v1::Session session, client.GetSession(session_id));
-  Geometry geometry{.num_layers = session.num_layers(),
-                    .num_attention_heads = session.num_attention_heads(),
-                    .num_key_value_heads = session.num_key_value_heads(),
-                    .head_dim = session.head_dim(),
-                    .bins_per_octave = session.histogram_bins_per_octave()};
+  // The session's geometry with its roles: a tensor of a role the session
+  // does not collect is refused here, naming its file, before anything is
+  // sent (the worker would refuse it only after the tensors before it).
+  KVCAL_ASSIGN_OR_RETURN(const Geometry geometry, GeometryFromWire(session));
   KVCAL_ASSIGN_OR_RETURN(ActivationDump dump,
                          ActivationDump::Open(dump_dir, &geometry));
   PushSummary summary;

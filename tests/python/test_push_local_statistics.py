@@ -123,3 +123,21 @@ def test_flush_batches_needs_local_statistics(kvcal_cli, dump):
     r = run(kvcal_cli, "push", "--server", "127.0.0.1:1", "--session", "s",
             "--local-statistics", "--flush-batches", "0", dumps)
     assert r.returncode == 2 and "--flush-batches" in r.stderr
+
+
+@pytest.mark.parametrize("mode", [(), ("--local-statistics",)], ids=["in-band", "local"])
+def test_push_refuses_a_role_the_session_does_not_collect(make_worker, kvcal_cli, dump, mode):
+    """A dump holding Q pushed to a K,V session is refused before anything is
+    sent, naming the file, the tensor and the role; the session is unchanged
+    (in-band, the worker used to apply the tensors before the first Q)."""
+    dumps, config = dump
+    w = make_worker()
+    client = kvcal.Client(w.target)
+    client.create_session(config, session_id="kv", roles=("k", "v"))
+    r = run(kvcal_cli, "push", "--server", w.target, "--session", "kv", "--chunk-bytes", "256",
+            *mode, dumps)
+    assert r.returncode == 1, r.stderr
+    assert "batch000.safetensors: tensor 'model.layers.0.self_attn.q': " \
+        "role Q is not collected by this session" in r.stderr, r.stderr
+    s = client.status("kv")
+    assert (s.values_ingested, s.chunks_applied, len(s.producers)) == (0, 0, 0)
