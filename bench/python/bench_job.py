@@ -81,17 +81,11 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_worker  # noqa: E402
+from bench_geometries import GEOMETRIES  # noqa: E402
 
 BUILD = os.environ.get("KVCAL_BUILD_DIR", os.path.join(ROOT, "build"))
 WORKER_BIN = os.path.join(BUILD, "service", "kvcal-worker")
 
-GEOMETRIES = {
-    # name: (layers, attention heads, KV heads, head_dim)
-    "tiny": (4, 8, 2, 64),
-    "llama3-8b": (32, 32, 8, 128),
-    "llama3-70b": (80, 64, 8, 128),
-    "llama3-405b": (126, 128, 8, 128),
-}
 MODES = ("in-band", "local")
 
 

@@ -1,7 +1,7 @@
 """Wire bytes per token of a producer in-band and in local-statistics mode,
 for one synthetic geometry, both in the same run.
 
-    python bench/python/bench_local_statistics.py                      # small geometry
+    python bench/python/bench_local_statistics.py                      # tiny geometry
     python bench/python/bench_local_statistics.py --geometry llama3-70b --tokens 16 --batches 4
 
 Activations: Student-t (df 3) values, one outlier head and one outlier
@@ -39,17 +39,12 @@ import numpy as np
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvcal  # noqa: E402
 from kvcal import producer as producer_module  # noqa: E402
 from kvcal.v1 import pb  # noqa: E402
-
-GEOMETRIES = {
-    # name: (layers, attention heads, KV heads, head_dim)
-    "small": (4, 8, 2, 64),
-    "llama3-8b": (32, 32, 8, 128),
-    "llama3-70b": (80, 64, 8, 128),
-}
+from bench_geometries import GEOMETRIES  # noqa: E402
 
 
 def make_tensors(rng, torch, geometry, batch, tokens, dtype):
@@ -111,7 +106,7 @@ def state_bound(geometry, bins_per_octave, batches):
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="small")
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per batch (default 256)")
     ap.add_argument("--batches", type=int, default=8, help="batches (default 8)")
     ap.add_argument("--flush-batches", default="",
