@@ -25,6 +25,14 @@ flushes each of the largest state the format allows (every histogram bin
 non-empty, full tails, one record per batch and head) for batches of
 --project-batch-tokens tokens.
 
+With --head-tokens N, measured: how one head's statistics grow with the
+tokens a flush covers, up to N tokens (1048576: a whole 1M-token job on one
+head), from fresh values of the same distribution (an ordinary head and an
+outlier head, batches of --project-batch-tokens tokens, so one record per
+batch); and, computed from those measured per-head sizes, a flush of the
+whole geometry per producer when P producers share --project-tokens and
+flush once, against the in-band bytes.
+
 Both counts are protobuf message sizes: gRPC's 5-byte message prefix and
 HTTP/2 framing are not counted (they add the same few bytes per message in
 both modes). Nothing is sent: no worker is needed. Needs torch (bf16) and
@@ -119,6 +127,9 @@ def parse_args():
                     help="tokens of the projection (default 1048576)")
     ap.add_argument("--project-batch-tokens", type=int, default=16384,
                     help="tokens per batch in the projection (default 16384: 8 x 2048)")
+    ap.add_argument("--head-tokens", type=int, default=0,
+                    help="also measure one head's state growth up to this many tokens "
+                         "(default 0: not run; 1048576 for a 1M-token job)")
     args = ap.parse_args()
     if args.tokens < 1 or args.batches < 1:
         ap.error("--tokens and --batches must be 1 or more")
@@ -164,6 +175,7 @@ def main():
             local.accumulate(layer, role, tensor, batch=b, layout="heads_tokens_dim")
         size = flush_bytes(local, 1)
         tokens = (b + 1) * args.tokens
+        whole_state = len(local.export_statistics())
         print(f"{b + 1:>4} {tokens:>8} {size:>12} {size / tokens:>12.1f}")
 
     print("\nlocal: every flush_batches batches a flush (and the rest at close)")
@@ -181,8 +193,10 @@ def main():
                 local.reset()
         print(f"{every:>13} {flushes:>7} {total:>12} {total / tokens_total:>12.1f} "
               f"{wire / total:>14.1f}")
-    project(args, geometry, wire / tokens_total, flush_bytes(local, 1) - len(
-        local.export_statistics()))
+    overhead = flush_bytes(local, 1) - len(local.export_statistics())
+    project(args, geometry, wire / tokens_total, overhead)
+    if args.head_tokens > 0:
+        head_growth(args, torch, dtype, geometry, wire / tokens_total, overhead, whole_state)
 
 
 def project(args, geometry, in_band_per_token, overhead):
@@ -203,6 +217,86 @@ def project(args, geometry, in_band_per_token, overhead):
         over = " (over the default 64 MiB gRPC message limit)" if per_flush > 64 << 20 else ""
         print(f"{flushes:>8} {per_flush:>14} {total:>15} {in_band_per_token * n / total:>17.0f}"
               f"{over}")
+
+
+def head_growth(args, torch, dtype, geometry, in_band_per_token, overhead, whole_state):
+    """Measured: one head's serialized statistics after 1024, 2048, ...
+    --head-tokens tokens of fresh values (make_tensors' distribution: an
+    ordinary head and an outlier head, each with the outlier channel), in
+    batches of --project-batch-tokens tokens. Then computed from them: one
+    flush of the whole geometry (one outlier head per layer and role) per
+    producer when P producers share --project-tokens tokens."""
+    layers, heads, kv_heads, dim = geometry
+    g = kvcal.Geometry(1, 1, 1, dim)
+
+    def empty_state(num_layers):
+        return len(kvcal.LocalStatistics(kvcal.Geometry(num_layers, 1, 1, dim),
+                                         histograms=args.histograms, threads=1)
+                   .export_statistics())
+
+    empty = empty_state(1)
+    empty_head = (empty_state(2) - empty) // 3  # a head that saw nothing
+    header = empty - 3 * empty_head
+    batch_tokens = args.project_batch_tokens
+    print(f"\none head's statistics (measured): fresh {args.dtype} values of one head "
+          f"(head_dim {dim}), batches of {batch_tokens} tokens; serialized bytes of that head")
+    step = 4096
+    sizes = {}  # tokens -> (ordinary, outlier)
+    rng = np.random.default_rng(args.seed + 1)
+    started = time.monotonic()
+    for column, head_scale in enumerate((1.0, 16.0)):
+        local = kvcal.LocalStatistics(g, histograms=args.histograms, threads=1)
+        tokens, report = 0, 1024
+        while tokens < args.head_tokens:
+            n = min(step, args.head_tokens - tokens, report - tokens)
+            x = rng.standard_t(3, (1, 1, n, dim)).astype(np.float32) * head_scale
+            x[..., 7] *= 8.0  # the outlier channel
+            local.accumulate(0, "q", torch.from_numpy(x).to(dtype), batch=tokens // batch_tokens,
+                             layout="heads_tokens_dim")
+            tokens += n
+            if tokens == report or tokens == args.head_tokens:
+                sizes.setdefault(tokens, [0, 0])[column] = len(local.export_statistics()) - empty
+                report *= 2
+    print(f"(generated and accumulated in {time.monotonic() - started:.1f} s)")
+    # A head's own bytes: what the one-head state grew by, plus the bytes it
+    # has when empty.
+    sizes = {t: [b + empty_head for b in both] for t, both in sizes.items()}
+    print(f"{'tokens':>8} {'batches':>7} {'ordinary head':>14} {'outlier head':>13}")
+    for tokens, (ordinary, outlier) in sorted(sizes.items()):
+        print(f"{tokens:>8} {-(-tokens // batch_tokens):>7} {ordinary:>14} {outlier:>13}")
+
+    outliers = 3 * layers  # one per (layer, role)
+    ordinary_heads = layers * (heads + 2 * kv_heads) - outliers
+    tokens_total = args.tokens * args.batches
+
+    def whole(tokens, records):
+        """The whole geometry's statistics from the per-head sizes, with
+        `records` batch records per head instead of the measured ones."""
+        ordinary, outlier = sizes[tokens]
+        extra = 16 * (records - -(-tokens // batch_tokens))
+        return header + ordinary_heads * (ordinary + extra) + outliers * (outlier + extra)
+
+    if tokens_total in sizes:
+        computed = whole(tokens_total, args.batches)
+        print(f"check: the whole geometry's state after the first table's {tokens_total} tokens, "
+              f"computed from these per-head sizes {computed}, measured {whole_state} "
+              f"({computed / whole_state:.3f}x)")
+
+    n = args.project_tokens
+    print(f"\nflush per producer, COMPUTED from the per-head sizes above (not measured): "
+          f"{ordinary_heads} ordinary + {outliers} outlier heads + the geometry's header; "
+          f"{n} tokens over P producers flushing once; in-band {in_band_per_token:.0f} "
+          f"bytes/token (measured)")
+    print(f"{'P':>4} {'tokens/flush':>12} {'flush bytes':>12} {'local total':>12} "
+          f"{'in-band/local':>14}")
+    for producers in (4, 8, 64):
+        per = n // producers
+        if per not in sizes:
+            continue
+        flush = whole(per, -(-per // batch_tokens)) + overhead
+        total = producers * flush
+        print(f"{producers:>4} {per:>12} {flush:>12} {total:>12} "
+              f"{in_band_per_token * n / total:>14.0f}")
 
 
 if __name__ == "__main__":
