@@ -219,6 +219,20 @@ def project(args, geometry, in_band_per_token, overhead):
               f"{over}")
 
 
+def empty_sizes(dim, histograms):
+    """(bytes of a serialized state besides its heads, bytes of a head that
+    saw nothing), from the engine's empty states of 1 and 2 layers of one
+    head per role."""
+    def empty_state(num_layers):
+        return len(kvcal.LocalStatistics(kvcal.Geometry(num_layers, 1, 1, dim),
+                                         histograms=histograms, threads=1)
+                   .export_statistics())
+
+    one = empty_state(1)
+    empty_head = (empty_state(2) - one) // 3
+    return one - 3 * empty_head, empty_head
+
+
 def head_growth(args, torch, dtype, geometry, in_band_per_token, overhead, whole_state):
     """Measured: one head's serialized statistics after 1024, 2048, ...
     --head-tokens tokens of fresh values (make_tensors' distribution: an
@@ -228,15 +242,8 @@ def head_growth(args, torch, dtype, geometry, in_band_per_token, overhead, whole
     producer when P producers share --project-tokens tokens."""
     layers, heads, kv_heads, dim = geometry
     g = kvcal.Geometry(1, 1, 1, dim)
-
-    def empty_state(num_layers):
-        return len(kvcal.LocalStatistics(kvcal.Geometry(num_layers, 1, 1, dim),
-                                         histograms=args.histograms, threads=1)
-                   .export_statistics())
-
-    empty = empty_state(1)
-    empty_head = (empty_state(2) - empty) // 3  # a head that saw nothing
-    header = empty - 3 * empty_head
+    header, empty_head = empty_sizes(dim, args.histograms)
+    empty = header + 3 * empty_head  # the one-head geometry's q, k and v
     batch_tokens = args.project_batch_tokens
     print(f"\none head's statistics (measured): fresh {args.dtype} values of one head "
           f"(head_dim {dim}), batches of {batch_tokens} tokens; serialized bytes of that head")
