@@ -333,6 +333,20 @@ class Uploader::Run {
     return absl::OkStatus();
   }
 
+  // gRPC's "Received message larger than max (N vs. M)" from the worker,
+  // with what the user can change.
+  static absl::Status ExplainMessageLimit(const absl::Status& status) {
+    if (!absl::IsResourceExhausted(status) ||
+        !absl::StrContains(status.message(), "larger than max")) {
+      return status;
+    }
+    return absl::ResourceExhaustedError(absl::StrCat(
+        status.message(),
+        ": a message was over the worker's --max-message-bytes; send smaller "
+        "ones (--chunk-bytes, or --flush-batches with --local-statistics) or "
+        "raise the worker's limit"));
+  }
+
   // Streams until every chunk is acknowledged, reconnecting after cuts.
   absl::Status SendAll() {
     while (acked_ < n_) {
@@ -349,6 +363,7 @@ class Uploader::Run {
           end.finish,
           absl::StrCat("Ingest (", who_, ", at sequence ", acked_ + 1, ")"));
       if (acked_ == n_ && (status.ok() || end.cut)) break;
+      status = ExplainMessageLimit(status);
       if (status.ok()) {
         status = absl::UnavailableError(
             absl::StrCat("Ingest (", who_, "): stream ended after sequence ",

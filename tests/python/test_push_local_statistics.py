@@ -141,3 +141,22 @@ def test_push_refuses_a_role_the_session_does_not_collect(make_worker, kvcal_cli
         "role Q is not collected by this session" in r.stderr, r.stderr
     s = client.status("kv")
     assert (s.values_ingested, s.chunks_applied, len(s.producers)) == (0, 0, 0)
+
+
+def test_a_flush_over_the_workers_message_limit_says_what_to_change(make_worker, kvcal_cli, dump):
+    """A worker with a small --max-message-bytes refuses a flush bigger than
+    it; the push says so with the sizes and the flags that help, and the
+    session keeps nothing of it."""
+    dumps, config = dump
+    w = make_worker(extra_args=["--max-message-bytes", "65536"])
+    r = run(kvcal_cli, "create", "--server", w.target, "--config", config, "--session", "s",
+            "--histograms", "64")
+    assert r.returncode == 0, r.stderr
+    r = run(kvcal_cli, "push", "--server", w.target, "--session", "s", "--local-statistics",
+            "--flush-batches", "5", dumps)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "Received message larger than max" in last and "vs. 65536)" in last, last
+    assert "over the worker's --max-message-bytes" in last and "--flush-batches" in last, last
+    s = kvcal.Client(w.target).status("s")
+    assert (s.values_ingested, s.chunks_applied) == (0, 0)
