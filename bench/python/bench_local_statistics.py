@@ -106,9 +106,9 @@ def state_bound(geometry, bins_per_octave, batches):
     state") a state of `batches` batches can have: every histogram bin
     non-empty, a full tail of 256 values, one record per batch and head."""
     layers, heads, kv_heads, _ = geometry
-    per_head = 48 + 4 + 4 + 16 * batches  # scalars, the three counts' u32s, batch records
-    if bins_per_octave:
-        per_head += 12 * (2 + 48 * bins_per_octave + 1) + 4 * 256
+    per_head = 48 + 4 + 16 * batches  # scalars; the record count and records
+    if bins_per_octave:  # the bin count and bins; the tail's count and values
+        per_head += 4 + 12 * (2 + 48 * bins_per_octave + 1) + 4 + 4 * 256
     return 32 + layers * (heads + 2 * kv_heads) * per_head + 8
 
 
