@@ -53,6 +53,7 @@ import kvcal  # noqa: E402
 from kvcal import producer as producer_module  # noqa: E402
 from kvcal.v1 import pb  # noqa: E402
 from bench_geometries import GEOMETRIES  # noqa: E402
+from kvcal.local_statistics import largest_statistics_bytes  # noqa: E402
 
 
 def make_tensors(rng, torch, geometry, batch, tokens, dtype):
@@ -104,12 +105,9 @@ def flush_bytes(local, n):
 def state_bound(geometry, bins_per_octave, batches):
     """The largest serialized statistics (formats.md "The statistics
     state") a state of `batches` batches can have: every histogram bin
-    non-empty, a full tail of 256 values, one record per batch and head."""
-    layers, heads, kv_heads, _ = geometry
-    per_head = 48 + 4 + 16 * batches  # scalars; the record count and records
-    if bins_per_octave:  # the bin count and bins; the tail's count and values
-        per_head += 4 + 12 * (2 + 48 * bins_per_octave + 1) + 4 + 4 * 256
-    return 32 + layers * (heads + 2 * kv_heads) * per_head + 8
+    non-empty, a full tail of 256 values, one record per batch and head
+    (kvcal.local_statistics.largest_statistics_bytes)."""
+    return largest_statistics_bytes(kvcal.Geometry(*geometry), bins_per_octave, batches)
 
 
 def parse_args():

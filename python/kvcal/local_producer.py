@@ -28,8 +28,9 @@ from typing import Callable, Optional, Set
 
 import numpy as np
 
+from kvcal import sharding
 from kvcal.client import Client
-from kvcal.local_statistics import LocalStatistics
+from kvcal.local_statistics import LocalStatistics, largest_statistics_bytes
 from kvcal.producer import ProducerError
 from kvcal.v1 import pb
 
@@ -152,8 +153,9 @@ class LocalFlushes:
         self.flush_batches = int(flush_batches)
         self.flush_seconds = None if flush_seconds is None else float(flush_seconds)
         self._send = send
-        self.local = LocalStatistics.for_session(client, session_id, backend=backend,
-                                                 device=device)
+        session = client.status(session_id)
+        self.local = LocalStatistics.from_session(session, backend=backend, device=device)
+        self._warn_if_a_flush_can_pass_the_limit(session)
         self.flushes = 0  # partial-statistics messages queued
         self.flush_bytes = 0  # bytes of their statistics
         self._batches: Set[int] = set()  # batch numbers in the local state
@@ -162,6 +164,31 @@ class LocalFlushes:
         self._error: Optional[ProducerError] = None  # raised from then on
         self._background = (_Background(self.local, producer_id, max_pending_bytes)
                             if asynchronous else None)
+
+    def _warn_if_a_flush_can_pass_the_limit(self, session: pb.Session) -> None:
+        """A warning now, before any forward pass, when this worker's share of
+        the statistics can grow past the client's message limit: a flush over
+        it is refused when it is made (docs/local-statistics.md)."""
+        limit = getattr(self.client, "_max_message_bytes", None)
+        if limit is None:
+            return
+        layers = range(session.num_layers)
+        worker_ids = list(session.shard_map.worker_ids)
+        if worker_ids and session.worker_id in worker_ids:
+            mine = worker_ids.index(session.worker_id)
+            layers = [layer for layer in layers
+                      if sharding.layer_owner(session.session_id, layer, worker_ids) == mine]
+        largest = largest_statistics_bytes(
+            self.local.geometry, self.local.histograms, self.flush_batches, layers=layers,
+            role_mask=self.local.role_mask) + _REQUEST_OVERHEAD
+        if largest > limit:
+            log.warning(
+                "kvcal: producer %s: a flush of its local statistics for this worker's %d "
+                "layers can grow to %d bytes (every histogram bin filled), over the client's "
+                "max_message_bytes %d; statistics grow with the tokens a flush covers, and a "
+                "flush over the limit is refused when it is made. Raise max_message_bytes and "
+                "the worker's --max-message-bytes, flush more often (flush_batches) or shard "
+                "the session over more workers", self.producer_id, len(layers), largest, limit)
 
     def accumulate(self, layer: int, role, tensor, *, batch: int, layout: int,
                    head_offset: int) -> None:

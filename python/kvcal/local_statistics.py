@@ -165,6 +165,34 @@ def _hf_as_vllm(shape: Tuple[int, ...], contiguous_after_swap: bool, layout: int
     return None
 
 
+def largest_statistics_bytes(geometry: Union[Geometry, dict], histograms: int, batches: int, *,
+                             layers: Optional[Iterable[int]] = None,
+                             role_mask: int = 0b111) -> int:
+    """The largest serialized statistics (docs/formats.md "The statistics
+    state") a state of this geometry, histogram resolution and role set
+    (bit 0 Q, 1 K, 2 V) can have: the heads of `layers` (default: every
+    layer) each with a value in every histogram bin (so a full tail of 256)
+    and a record for each of `batches` batches, the other layers' heads
+    empty. Statistics of real activations are smaller; how much smaller
+    depends on the tokens they cover."""
+    if isinstance(geometry, dict):
+        geometry = Geometry(**geometry)
+    heads = ((geometry.num_attention_heads if role_mask & 1 else 0)
+             + (geometry.num_key_value_heads if role_mask & 2 else 0)
+             + (geometry.num_key_value_heads if role_mask & 4 else 0))
+    # min, max, finite, nan, inf, sum, sum of squares; then the record count.
+    empty_head = 48 + 4
+    full_head = empty_head + 16 * batches
+    if histograms:
+        empty_head += 4 + 4  # the bin count and the tail's count
+        full_head += 4 + 12 * (2 + 48 * histograms + 1) + 4 + 4 * 256
+    num_layers = geometry.num_layers
+    full_layers = num_layers if layers is None else len(set(layers))
+    header, checksum = 8 * 4, 8
+    return header + heads * (full_layers * full_head
+                             + (num_layers - full_layers) * empty_head) + checksum
+
+
 class LocalStatistics:
     """The statistics of one session's geometry and options, accumulated in
     this process (see the module docs).

@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -50,30 +49,3 @@ def test_head_growth_run(tmp_path):
                          r.stdout.split("flush per producer")[1], re.M)
     assert [(p, t) for p, t, *_ in flushes] == [("4", "2048"), ("8", "1024")]
 
-
-@pytest.mark.parametrize("histograms", [16, 32])
-def test_state_bound_is_the_size_of_a_state_with_every_bin_filled(histograms):
-    """state_bound (the projections' upper end) is exactly the serialized
-    size of a state whose every head has a value in every histogram bin (so
-    a full tail) and a record in each of its batches; a state of fewer bins
-    is smaller."""
-    geometry = (2, 4, 2, 8)
-    layers, heads, kv_heads, dim = geometry
-    b = histograms
-    # The lower edge of every bin (docs/formats.md "Histogram bins"): zero,
-    # the underflow bin, 48 octaves of b bins, the overflow bin.
-    edges = [0.0, 2.0 ** -25] + [2.0 ** (o - 24) * (1 + s / b) for o in range(48)
-                                 for s in range(b)] + [2.0 ** 25]
-    values = np.array(edges, dtype=np.float32)
-    assert len(np.unique(values)) == len(values) == 2 + 48 * b + 1
-    full = kvcal.LocalStatistics(kvcal.Geometry(*geometry), histograms=b, threads=1)
-    half = kvcal.LocalStatistics(kvcal.Geometry(*geometry), histograms=b, threads=1)
-    for layer in range(layers):
-        for role, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
-            x = np.ascontiguousarray(np.broadcast_to(values[:, None, None], (len(values), n, dim)))
-            for batch in range(3):
-                full.accumulate(layer, role, x, batch=batch, layout="tokens_heads_dim")
-                half.accumulate(layer, role, x[::2], batch=batch, layout="tokens_heads_dim")
-    bound = bench_local_statistics.state_bound(geometry, b, 3)
-    assert len(full.export_statistics()) == bound
-    assert len(half.export_statistics()) < bound

@@ -23,7 +23,9 @@ sent as chunks.
 - Partial statistics of another histogram resolution are refused with
   FAILED_PRECONDITION and change nothing.
 """
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +35,7 @@ import pytest
 
 import kvcal
 from kvcal.client import KvcalError  # noqa: F401
+from kvcal.local_statistics import largest_statistics_bytes
 from kvcal.v1 import pb
 
 torch = pytest.importorskip("torch")
@@ -326,7 +329,7 @@ def test_other_options_are_refused_with_failed_precondition(worker):
     client.delete()
 
 
-def test_sharded_local_statistics(make_worker):
+def test_sharded_local_statistics(make_worker, caplog):
     """Two workers: each producer's local state holds its worker's layers
     only (the others' heads are empty in what it imports); the scales equal
     one worker's fed in-band."""
@@ -340,6 +343,15 @@ def test_sharded_local_statistics(make_worker):
     assert sorted(set(owners)) == [0, 1], owners  # both workers own a layer
     stats = feed_plain(client, local_statistics=True, flush_batches=2)
     assert stats["local_flushes"] == 2 * 2  # 4 batches: 2 flushes per worker
+    # Each worker's producer measures its message limit against its own
+    # layers' largest flush.
+    small = kvcal.Client([w.target for w in ws], max_message_bytes=64 << 10)
+    with caplog.at_level(logging.WARNING, logger="kvcal"):
+        kvcal.Producer(small, session_id="sharded", producer_id="q",
+                       local_statistics=True).close()
+    said = sorted(int(m.group(1)) for m in (
+        re.search(r"this worker's (\d+) layers", r.getMessage()) for r in caplog.records) if m)
+    assert said == sorted(owners.count(i) for i in (0, 1)), caplog.text
     per_head = 8 + 2 + 2
     for i, w in enumerate(client.workers):
         heads = parse_statistics(w.export_state("sharded").statistics)
@@ -430,7 +442,7 @@ def test_capture_through_a_local_statistics_producer(worker):
     assert local == wired
 
 
-def test_a_flush_is_refused_when_it_cannot_be_applied(make_worker):
+def test_a_flush_is_refused_when_it_cannot_be_applied(make_worker, caplog):
     """A state over the client's message limit, and a session that is gone
     (a worker restarted without --state-dir: ImportState would create a new
     session from one partial state): one ProducerError naming why, nothing
@@ -438,7 +450,20 @@ def test_a_flush_is_refused_when_it_cannot_be_applied(make_worker):
     w = make_worker()
     small = kvcal.Client(w.target, max_message_bytes=64 << 10)
     small.create_session(geometry=GEOMETRY, session_id="limit")
-    producer = kvcal.Producer(small, local_statistics=True)
+    with caplog.at_level(logging.WARNING, logger="kvcal"):
+        producer = kvcal.Producer(small, local_statistics=True)
+    # Said when the producer starts, before anything was put: the format's
+    # largest flush of 3 layers of 12 heads and 64 batch records, at the
+    # session's histogram resolution, and the request around it.
+    bins = small.status("limit").histogram_bins_per_octave
+    largest = largest_statistics_bytes(kvcal.Geometry(**GEOMETRY), bins, 64) + 1024
+    assert [r.getMessage() for r in caplog.records] == [
+        f"kvcal: producer default: a flush of its local statistics for this worker's 3 layers "
+        f"can grow to {largest} bytes (every histogram bin filled), over the client's "
+        f"max_message_bytes 65536; statistics grow with the tokens a flush covers, and a flush "
+        f"over the limit is refused when it is made. Raise max_message_bytes and the worker's "
+        f"--max-message-bytes, flush more often (flush_batches) or shard the session over more "
+        f"workers"]
     for layer, role, t, layout in batches(4, 1)[0]:
         producer.put(layer, role, t, layout=layout)
     with pytest.raises(kvcal.ProducerError, match="over the client's max_message_bytes 65536"):
@@ -450,7 +475,10 @@ def test_a_flush_is_refused_when_it_cannot_be_applied(make_worker):
 
     client = kvcal.Client(w.target)
     client.create_session(geometry=GEOMETRY, session_id="gone")
-    producer = kvcal.Producer(client, local_statistics=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcal"):
+        producer = kvcal.Producer(client, local_statistics=True)
+    assert caplog.records == []  # within the default 64 MiB
     producer.put(0, "k", np.ones((3, 2, 16), np.float32), layout="tokens_heads_dim")
     w.restart()
     with pytest.raises(kvcal.ProducerError, match="session gone is gone from the worker"):
