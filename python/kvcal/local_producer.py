@@ -183,12 +183,13 @@ class LocalFlushes:
             role_mask=self.local.role_mask) + _REQUEST_OVERHEAD
         if largest > limit:
             log.warning(
-                "kvcal: producer %s: a flush of its local statistics for this worker's %d "
-                "layers can grow to %d bytes (every histogram bin filled), over the client's "
-                "max_message_bytes %d; statistics grow with the tokens a flush covers, and a "
-                "flush over the limit is refused when it is made. Raise max_message_bytes and "
-                "the worker's --max-message-bytes, flush more often (flush_batches) or shard "
-                "the session over more workers", self.producer_id, len(layers), largest, limit)
+                "kvcal: producer %s: one flush of the local statistics of this worker's %d "
+                "layers can reach %d bytes (the format's largest: every histogram bin filled), "
+                "over the client's max_message_bytes %d. Real flushes are smaller and grow with "
+                "the tokens they cover; one over the limit is refused when it is made. To be "
+                "safe, raise max_message_bytes and the worker's --max-message-bytes to %d, or "
+                "shard the session over more workers; flushing more often (flush_batches) keeps "
+                "flushes smaller", self.producer_id, len(layers), largest, limit, largest)
 
     def accumulate(self, layer: int, role, tensor, *, batch: int, layout: int,
                    head_offset: int) -> None:

@@ -350,7 +350,7 @@ def test_sharded_local_statistics(make_worker, caplog):
         kvcal.Producer(small, session_id="sharded", producer_id="q",
                        local_statistics=True).close()
     said = sorted(int(m.group(1)) for m in (
-        re.search(r"this worker's (\d+) layers", r.getMessage()) for r in caplog.records) if m)
+        re.search(r"of this worker's (\d+) layers", r.getMessage()) for r in caplog.records) if m)
     assert said == sorted(owners.count(i) for i in (0, 1)), caplog.text
     per_head = 8 + 2 + 2
     for i, w in enumerate(client.workers):
@@ -458,12 +458,12 @@ def test_a_flush_is_refused_when_it_cannot_be_applied(make_worker, caplog):
     bins = small.status("limit").histogram_bins_per_octave
     largest = largest_statistics_bytes(kvcal.Geometry(**GEOMETRY), bins, 64) + 1024
     assert [r.getMessage() for r in caplog.records] == [
-        f"kvcal: producer default: a flush of its local statistics for this worker's 3 layers "
-        f"can grow to {largest} bytes (every histogram bin filled), over the client's "
-        f"max_message_bytes 65536; statistics grow with the tokens a flush covers, and a flush "
-        f"over the limit is refused when it is made. Raise max_message_bytes and the worker's "
-        f"--max-message-bytes, flush more often (flush_batches) or shard the session over more "
-        f"workers"]
+        f"kvcal: producer default: one flush of the local statistics of this worker's 3 layers "
+        f"can reach {largest} bytes (the format's largest: every histogram bin filled), over the "
+        f"client's max_message_bytes 65536. Real flushes are smaller and grow with the tokens "
+        f"they cover; one over the limit is refused when it is made. To be safe, raise "
+        f"max_message_bytes and the worker's --max-message-bytes to {largest}, or shard the "
+        f"session over more workers; flushing more often (flush_batches) keeps flushes smaller"]
     for layer, role, t, layout in batches(4, 1)[0]:
         producer.put(layer, role, t, layout=layout)
     with pytest.raises(kvcal.ProducerError, match="over the client's max_message_bytes 65536"):
