@@ -148,6 +148,8 @@ constexpr Cause kCauses[] = {
     {"Socket closed",
      "the worker closed the connection during the handshake (does it want "
      "TLS, --tls-ca, or a client certificate, --tls-cert and --tls-key?)"},
+    {"Connection reset by peer",
+     "the connection was reset (did the worker stop or restart?)"},
     {"No such file or directory", "no such socket"},
     {"Deadline Exceeded",
      "no answer before the deadline (is a kvcal-worker listening there?)"},

@@ -461,6 +461,10 @@ TEST(CondenseConnectionErrorTest, NamesTheAddressAndTheCause) {
                 "addresses; last error: UNKNOWN: unix:/tmp/x.sock: No such "
                 "file or directory",
                 "unix:/tmp/x.sock: no such socket"},
+           Case{"ListSessions on 127.0.0.1:50051: recvmsg:Connection reset "
+                "by peer",
+                "127.0.0.1:50051: the connection was reset (did the worker "
+                "stop or restart?)"},
            Case{"GetSession on w1 (10.0.0.7:50051): Deadline Exceeded",
                 "10.0.0.7:50051: no answer before the deadline (is a "
                 "kvcal-worker listening there?)"},
