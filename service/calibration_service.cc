@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "proto/wire_geometry.h"
 #include "service/ingest_reactor.h"
 #include "service/log.h"
 #include "service/proto_convert.h"
@@ -96,7 +97,7 @@ grpc::ServerUnaryReactor* CalibrationService::CreateSession(
       context, "CreateSession", /*offload=*/true,
       [this, request, response](const std::string& tenant) -> absl::Status {
         KVCAL_ASSIGN_OR_RETURN(const Geometry geometry,
-                               GeometryFromProto(*request));
+                               GeometryFromWire(*request));
         const ShardMap map = ShardMapFromProto(request->shard_map());
         if (!map.empty() &&
             !std::binary_search(map.worker_ids.begin(), map.worker_ids.end(),

@@ -37,11 +37,6 @@ void GeometryAndCountersToProto(const Geometry& g,
 
 }  // namespace
 
-absl::StatusOr<Geometry> GeometryFromProto(
-    const kvcal::v1::CreateSessionRequest& request) {
-  return GeometryFromWire(request);
-}
-
 ChunkView ChunkFromProto(const kvcal::v1::IngestRequest& request) {
   ChunkView chunk;
   chunk.layer = request.layer();

@@ -12,11 +12,6 @@
 
 namespace kvcal::service {
 
-// Geometry of a CreateSessionRequest (roles resolved as a set; empty = QKV).
-// Does not validate ranges (Geometry::Validate does).
-absl::StatusOr<Geometry> GeometryFromProto(
-    const kvcal::v1::CreateSessionRequest& request);
-
 // A view of the request's chunk; it borrows request.data().
 ChunkView ChunkFromProto(const kvcal::v1::IngestRequest& request);
 
