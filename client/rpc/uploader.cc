@@ -43,15 +43,26 @@ ChunkView Slice(const ChunkView& chunk, std::vector<uint64_t> shape,
   return part;
 }
 
+// What every message of the upload carries: session, producer, sequence and
+// the client's worker set.
+v1::IngestRequest RequestHeader(uint64_t sequence,
+                                const UploaderOptions& options) {
+  v1::IngestRequest request;
+  request.set_session_id(options.session_id);
+  request.set_producer_id(options.producer_id);
+  request.set_sequence(sequence);
+  for (const std::string& id : options.shard_worker_ids) {
+    request.add_shard_worker_ids(id);
+  }
+  return request;
+}
+
 // With `ring`, the chunk's bytes go into its slot and the request
 // references them.
 v1::IngestRequest MakeRequest(const ChunkView& chunk, uint64_t sequence,
                               const UploaderOptions& options,
                               SharedMemoryRing* ring) {
-  v1::IngestRequest request;
-  request.set_session_id(options.session_id);
-  request.set_producer_id(options.producer_id);
-  request.set_sequence(sequence);
+  v1::IngestRequest request = RequestHeader(sequence, options);
   request.set_batch(chunk.batch);
   request.set_layer(chunk.layer);
   request.set_role(ToWire(chunk.role));
@@ -78,27 +89,18 @@ v1::IngestRequest MakeRequest(const ChunkView& chunk, uint64_t sequence,
   if (options.holdout_batches.count(chunk.batch) > 0) {
     request.set_holdout(true);
   }
-  for (const std::string& id : options.shard_worker_ids) {
-    request.add_shard_worker_ids(id);
-  }
   return request;
 }
 
 v1::IngestRequest MakePartialRequest(const PartialUpload& partial,
                                      uint64_t sequence,
                                      const UploaderOptions& options) {
-  v1::IngestRequest request;
-  request.set_session_id(options.session_id);
-  request.set_producer_id(options.producer_id);
-  request.set_sequence(sequence);
+  v1::IngestRequest request = RequestHeader(sequence, options);
   v1::PartialStatistics* p = request.mutable_partial_statistics();
   p->set_statistics(partial.statistics);
   p->set_tensors(partial.tensors);
   p->set_values(partial.values);
   p->set_bytes(partial.bytes);
-  for (const std::string& id : options.shard_worker_ids) {
-    request.add_shard_worker_ids(id);
-  }
   return request;
 }
 
