@@ -41,8 +41,6 @@ absl::StatusOr<std::vector<PartialUpload>> BuildPartials(
     return local->Reset();
   };
   for (const auto& [batch, batch_tensors] : by_batch) {
-    if (in_group == 0) current.first_batch = batch;
-    current.last_batch = batch;
     for (const ChunkView* t : batch_tensors) {
       if (absl::Status s = local->Accumulate(*t); !s.ok()) {
         return absl::Status(

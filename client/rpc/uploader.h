@@ -55,7 +55,6 @@ struct PartialUpload {
   uint64_t tensors = 0;    // what the session's counters grow by
   uint64_t values = 0;
   uint64_t bytes = 0;  // data bytes of the tensors it covers
-  uint64_t first_batch = 0, last_batch = 0;
 };
 
 struct UploaderOptions {
