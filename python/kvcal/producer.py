@@ -614,15 +614,10 @@ class WorkerProducer(_ProducerBase):
         pieces = list(_cut(shape, layout, itemsize, self.chunk_bytes, whole_sequences=holdout))
         with self._cv:
             for piece_shape, head_delta, begin, end in pieces:
-                self._wait_for_room_locked(end - begin)
-                chunk = _Chunk(sequence=self._next_sequence, batch=int(batch), layer=int(layer),
-                               role=_ROLES[role], dtype=dtype, layout=layout, shape=piece_shape,
-                               head_offset=int(head_offset) + head_delta, payload=payload,
-                               begin=begin, end=end, holdout=holdout)
-                self._next_sequence += 1
-                self._chunks.append(chunk)
-                self._held_bytes += chunk.nbytes
-                self._cv.notify_all()  # the sender: new data
+                self._enqueue_locked(batch=int(batch), layer=int(layer), role=_ROLES[role],
+                                     dtype=dtype, layout=layout, shape=piece_shape,
+                                     head_offset=int(head_offset) + head_delta, payload=payload,
+                                     begin=begin, end=end, holdout=holdout)
 
     def _put_local(self, layer, layout, role, tensor, batch, head_offset) -> None:
         """put() in local-statistics mode: into the local state (flushed
@@ -637,15 +632,19 @@ class WorkerProducer(_ProducerBase):
     def _put_partial(self, partial: pb.PartialStatistics) -> None:
         """A local-statistics flush: `partial` becomes the next message of the
         producer's sequence, after every chunk put before it."""
-        nbytes = len(partial.statistics)
         with self._cv:
-            self._wait_for_room_locked(nbytes)
-            chunk = _Chunk(sequence=self._next_sequence, partial=partial, begin=0, end=nbytes,
-                           holdout=False)
-            self._next_sequence += 1
-            self._chunks.append(chunk)
-            self._held_bytes += nbytes
-            self._cv.notify_all()  # the sender: new data
+            self._enqueue_locked(partial=partial, begin=0, end=len(partial.statistics),
+                                 holdout=False)
+
+    def _enqueue_locked(self, **fields) -> None:
+        """Numbers the next message (a _Chunk of `fields`) and queues it for
+        the sender, once it has room for its bytes."""
+        self._wait_for_room_locked(fields["end"] - fields["begin"])
+        chunk = _Chunk(sequence=self._next_sequence, **fields)
+        self._next_sequence += 1
+        self._chunks.append(chunk)
+        self._held_bytes += chunk.nbytes
+        self._cv.notify_all()  # the sender: new data
 
     def _batch_started(self, batch: int) -> None:
         if self._local is not None:
