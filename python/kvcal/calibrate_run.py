@@ -856,10 +856,7 @@ def _resume_point(journal: "_Journal", client, existing, nbatches: int):
         return 0, None
     if client.workers is not None:
         return 0, 1  # several workers: resend all, the watermarks drop duplicates
-    applied = 0
-    for p in existing.producers:
-        if p.producer_id == PRODUCER:
-            applied = p.sequence
+    applied = _applied(existing)
     skip, start_sequence = 0, None
     done = journal.batches()
     for b in range(nbatches):
@@ -881,11 +878,18 @@ def _local_resume_point(client, existing, nbatches: int, flush_batches: int):
         return 0, None
     if client.workers is not None:
         return 0, 1  # several workers: resend all, each drops the flushes it has
+    applied = _applied(existing)
+    return min(nbatches, applied * flush_batches), applied + 1
+
+
+def _applied(existing) -> int:
+    """The watermark of kvcal-calibrate's producer in the session (0 when
+    it has none)."""
     applied = 0
     for p in existing.producers:
         if p.producer_id == PRODUCER:
             applied = p.sequence
-    return min(nbatches, applied * flush_batches), applied + 1
+    return applied
 
 
 def _forwards(run: "_Run", journal: "_Journal", client, existing, ui: _Ui) -> None:
