@@ -28,7 +28,6 @@ from typing import Callable, Optional, Set
 
 import numpy as np
 
-from kvcal import sharding
 from kvcal.client import Client
 from kvcal.local_statistics import LocalStatistics, largest_statistics_bytes
 from kvcal.producer import ProducerError
@@ -153,6 +152,8 @@ class LocalFlushes:
         self.flush_batches = int(flush_batches)
         self.flush_seconds = None if flush_seconds is None else float(flush_seconds)
         self._send = send
+        # The client's max_message_bytes, which a flush must fit.
+        self._message_limit = getattr(client, "_max_message_bytes", None)
         session = client.status(session_id)
         self.local = LocalStatistics.from_session(session, backend=backend, device=device)
         self._warn_if_a_flush_can_pass_the_limit(session)
@@ -169,15 +170,15 @@ class LocalFlushes:
         """A warning now, before any forward pass, when this worker's share of
         the statistics can grow past the client's message limit: a flush over
         it is refused when it is made (docs/local-statistics.md)."""
-        limit = getattr(self.client, "_max_message_bytes", None)
+        limit = self._message_limit
         if limit is None:
             return
         layers = range(session.num_layers)
         worker_ids = list(session.shard_map.worker_ids)
         if worker_ids and session.worker_id in worker_ids:
             mine = worker_ids.index(session.worker_id)
-            layers = [layer for layer in layers
-                      if sharding.layer_owner(session.session_id, layer, worker_ids) == mine]
+            layers = [layer for layer, owner in enumerate(session.shard_map.layer_owners)
+                      if owner == mine]
         largest = largest_statistics_bytes(
             self.local.geometry, self.local.histograms, self.flush_batches, layers=layers,
             role_mask=self.local.role_mask) + _REQUEST_OVERHEAD
@@ -271,7 +272,7 @@ class LocalFlushes:
                                        tensors=counters["chunks_applied"],
                                        values=counters["values_ingested"],
                                        bytes=counters["bytes_ingested"])
-        limit = getattr(self.client, "_max_message_bytes", None)
+        limit = self._message_limit
         size = partial.ByteSize() + _REQUEST_OVERHEAD
         if limit is not None and size > limit:
             self._error = ProducerError(
