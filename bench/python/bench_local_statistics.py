@@ -219,12 +219,11 @@ def project(args, geometry, in_band_per_token, overhead):
 
 def empty_sizes(dim, histograms):
     """(bytes of a serialized state besides its heads, bytes of a head that
-    saw nothing), from the engine's empty states of 1 and 2 layers of one
-    head per role."""
+    saw nothing), from the format's empty states of 1 and 2 layers of one
+    head per role (largest_statistics_bytes with no layer filled)."""
     def empty_state(num_layers):
-        return len(kvcal.LocalStatistics(kvcal.Geometry(num_layers, 1, 1, dim),
-                                         histograms=histograms, threads=1)
-                   .export_statistics())
+        return largest_statistics_bytes(kvcal.Geometry(num_layers, 1, 1, dim), histograms, 0,
+                                        layers=[])
 
     one = empty_state(1)
     empty_head = (empty_state(2) - one) // 3
