@@ -120,14 +120,6 @@ def make_batches(index, args):
     return batches
 
 
-# -- wire bytes ------------------------------------------------------------------
-def wire_bytes(stats):
-    """Serialized bytes of every request the producer sent: its own count
-    (IngestRequests, resends included; local-statistics flushes are
-    IngestRequests carrying partial statistics)."""
-    return stats["wire_bytes"]
-
-
 # -- one producer process --------------------------------------------------------
 def producer_main(index, args, conn):
     """Generates its batches, then for each (mode, targets, session) the
@@ -165,7 +157,9 @@ def producer_main(index, args, conn):
             client.close()
             cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
             conn.send(("done", {"t0": t0, "t1": t1, "cpu": cpu, "values": values,
-                                "wire": wire_bytes(stats), "stats": stats}))
+                                # the producer's own count of serialized
+                                # IngestRequests (resends and flushes included)
+                                "wire": stats["wire_bytes"], "stats": stats}))
     except BaseException as e:  # the parent reports it and stops
         import traceback
 
