@@ -123,6 +123,19 @@ def check_no_gpu_libs(path):
                 "statically and load such libraries with dlopen")
 
 
+def place_elf(src, dst, rpath, patchelf):
+    """Copies a binary or the extension into the staging tree, debug
+    sections stripped and its RPATH set to `rpath` (inside the wheel), after
+    checking it loads no GPU library; returns the libraries it loads
+    (resolved_libraries)."""
+    check_no_gpu_libs(src)
+    runtime = resolved_libraries(src)
+    run(["objcopy", "--strip-debug", src, dst])
+    run([patchelf, "--set-rpath", rpath, dst])
+    os.chmod(dst, 0o755)
+    return runtime
+
+
 def engine_module(build_dir):
     """The extension module this build made (BUILD/python/ext/engine.txt,
     written by CMake at every configure): (path, python). Stops the wheel,
@@ -166,19 +179,11 @@ def stage(build_dir, staging, patchelf):
         src = os.path.join(build_dir, subdir, name)
         if not os.access(src, os.X_OK):
             die(f"{src} is missing: build it first (./run build)")
-        check_no_gpu_libs(src)
-        runtime.update(resolved_libraries(src))
-        dst = os.path.join(bin_dir, name)
-        run(["objcopy", "--strip-debug", src, dst])
-        run([patchelf, "--set-rpath", "$ORIGIN/../lib", dst])
-        os.chmod(dst, 0o755)
-    check_no_gpu_libs(engine)
-    runtime.update(resolved_libraries(engine))
+        runtime.update(place_elf(src, os.path.join(bin_dir, name), "$ORIGIN/../lib",
+                                 patchelf))
     name = os.path.basename(engine)  # _engine<the build's Python's extension suffix>
-    dst = os.path.join(staging, "kvcal", name)
-    run(["objcopy", "--strip-debug", engine, dst])
-    run([patchelf, "--set-rpath", "$ORIGIN/lib", dst])
-    os.chmod(dst, 0o755)
+    runtime.update(place_elf(engine, os.path.join(staging, "kvcal", name), "$ORIGIN/lib",
+                             patchelf))
     log(f"carrying kvcal/{name} (for {python})")
     carried = sorted(set(runtime) & baseline_libraries())
     if "libstdc++.so.6" not in carried:
