@@ -1,11 +1,24 @@
 """Builds the kvcal Python package; generates the gRPC stubs from proto/.
 
-The stubs (kvcal/v1/calibration_pb2*.py) are not committed: build_py runs
-grpcio-tools on the repository's proto/kvcal/v1/calibration.proto (the wire
-contract; an sdist carries a copy in proto/) and writes them into the
-package. The protobuf runtime is required at >= the version grpcio-tools
-generated them with, because protobuf refuses generated code newer than its
-runtime.
+The stubs (kvcal/v1/calibration_pb2*.py) are not committed, and building
+never writes into the source tree: setup.py runs grpcio-tools on the
+repository's proto/kvcal/v1/calibration.proto (the wire contract; an sdist
+carries a copy in proto/) into a temporary directory, and build_py copies
+them into the build (self.build_lib); setuptools' build/ and kvcal.egg-info
+go into that temporary directory too, which is removed when setup.py ends.
+So `pip install ./python` leaves the checkout as it was, and never replaces
+stubs that another environment generated (a source tree's own imports
+generate theirs outside it: kvcal/_stubgen.py checkout_stubs()).
+
+The package's grpcio and protobuf requirements are read from the generated
+code (kvcal/_stubgen.py generated_requirements()): calibration_pb2_grpc.py
+refuses a grpcio older than the grpcio-tools that generated it, and
+calibration_pb2.py a protobuf runtime older than its gencode, so those
+versions are the declared floors; a pip that honours them installs nothing
+the stubs refuse at import. pyproject.toml pins the grpcio-tools of an
+isolated build to the one the repository's environments use
+(tests/python/requirements.lock, python/wheel-build-requirements.txt), so
+that every build of a version declares the same floors.
 
 The version comes from the repository's top-level VERSION file (the one
 CMake reads for `kvcal --version`); an sdist carries a copy next to this
@@ -21,8 +34,10 @@ CPython it was built with (kvcal.local_statistics.load_engine() tells
 another Python so; see build_wheel.py). Without them the wheel is pure
 Python (py3-none-any).
 """
+import atexit
 import os
 import shutil
+import tempfile
 
 from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
@@ -30,6 +45,7 @@ from setuptools.command.sdist import sdist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BINARIES = ("kvcal", "kvcal-worker")
+_SCRATCH = []
 
 
 def _find_up(name):
@@ -54,21 +70,62 @@ def _has_binaries():
     return all(os.path.isfile(os.path.join(HERE, "kvcal", "bin", b)) for b in BINARIES)
 
 
-def _protobuf_requirement():
+def scratch():
+    """This run's temporary directory (outside the source tree), removed at
+    exit: the generated stubs, setuptools' build/ and kvcal.egg-info."""
+    if not _SCRATCH:
+        path = tempfile.mkdtemp(prefix="kvcal-setup-")
+        atexit.register(shutil.rmtree, path, True)
+        _SCRATCH.append(path)
+    return _SCRATCH[0]
+
+
+def generate_stubs(stubgen):
+    """(the kvcal/v1 directory of freshly generated stubs, the grpcio and
+    protobuf requirements they check at import); (None, unversioned
+    requirements) without grpcio-tools, for metadata only: build_py then
+    stops, saying why."""
     try:
-        from google.protobuf import __version__ as version
-    except ImportError:  # metadata-only builds before grpcio-tools is there
-        return "protobuf"
-    major_minor = ".".join(version.split(".")[:2])
-    return f"protobuf>={major_minor},<{int(version.split('.')[0]) + 1}"
+        import grpc_tools  # noqa: F401
+    except ImportError:
+        return None, ["grpcio", "protobuf"]
+    v1_dir = os.path.join(scratch(), "stubs", "kvcal", "v1")
+    stubgen.generate(v1_dir)
+    return v1_dir, stubgen.generated_requirements(v1_dir)
 
 
 class BuildPyWithStubs(build_py):
-    def run(self):
-        from kvcal_stubgen import generate  # noqa: local helper, see below
+    stubs = None  # generate_stubs()'s directory, set below
+    stubgen = None  # kvcal/_stubgen.py
 
-        generate(os.path.join(HERE, "kvcal", "v1"))
+    def find_package_modules(self, package, package_dir):
+        # Stubs that an older kvcal build or import left in the source tree
+        # are never packaged (nor put in an sdist): the build's own go in.
+        modules = super().find_package_modules(package, package_dir)
+        if package == "kvcal.v1":
+            modules = [m for m in modules if not m[1].startswith("calibration_pb2")]
+        return modules
+
+    def run(self):
+        if self.stubs is None:
+            raise RuntimeError("kvcal setup.py: building needs grpcio-tools (pyproject.toml's "
+                               "build requirements; with --no-build-isolation, install it first)")
         super().run()
+        if getattr(self, "editable_mode", False):
+            # An editable install imports kvcal from the source tree, whose
+            # stubs come from the cache outside it (kvcal/_stubgen.py
+            # checkout_stubs()): put this build's there, for an environment
+            # without grpcio-tools to find.
+            self.stubgen.seed_cache(self.stubs, self.stubgen.tools_version())
+        v1_dir = os.path.join(self.build_lib, "kvcal", "v1")
+        os.makedirs(v1_dir, exist_ok=True)  # editable mode built nothing there
+        for name in sorted(os.listdir(self.stubs)):
+            shutil.copyfile(os.path.join(self.stubs, name), os.path.join(v1_dir, name))
+        # The user's guide, which `kvcal-calibrate --help-guide` prints.
+        guide = os.path.join(self.build_lib, "kvcal", "guide")
+        os.makedirs(guide, exist_ok=True)
+        shutil.copyfile(_find_up(os.path.join("docs", "calibrate.md")),
+                        os.path.join(guide, "calibrate.md"))
         target = os.path.join(self.build_lib, "kvcal", "_version.py")
         with open(target, "w") as f:
             f.write("# Written by setup.py from the repository's VERSION file.\n"
@@ -80,11 +137,15 @@ class BuildPyWithStubs(build_py):
 
 
 class SdistWithContract(sdist):
-    """The sdist carries VERSION and proto/ next to setup.py."""
+    """The sdist carries VERSION, proto/ and docs/calibrate.md next to
+    setup.py."""
 
     def make_release_tree(self, base_dir, files):
         super().make_release_tree(base_dir, files)
         shutil.copyfile(_find_up("VERSION"), os.path.join(base_dir, "VERSION"))
+        os.makedirs(os.path.join(base_dir, "docs"), exist_ok=True)
+        shutil.copyfile(_find_up(os.path.join("docs", "calibrate.md")),
+                        os.path.join(base_dir, "docs", "calibrate.md"))
         proto = os.path.join(base_dir, "proto", "kvcal", "v1")
         os.makedirs(proto, exist_ok=True)
         shutil.copyfile(
@@ -123,14 +184,24 @@ def _cmdclass():
 if __name__ == "__main__":
     import sys
 
+    # kvcal/_stubgen.py alone (stdlib only; kvcal/ is not importable before
+    # it is built), writing no kvcal/__pycache__ into the source tree.
     sys.path.insert(0, os.path.join(HERE, "kvcal"))
+    write_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     import _stubgen as kvcal_stubgen  # noqa: E402
 
-    sys.modules["kvcal_stubgen"] = kvcal_stubgen
+    sys.dont_write_bytecode = write_bytecode
+    sys.path.pop(0)
+
+    BuildPyWithStubs.stubgen = kvcal_stubgen
+    BuildPyWithStubs.stubs, stub_requirements = generate_stubs(kvcal_stubgen)
     setup(
         version=read_version(),
         cmdclass=_cmdclass(),
         distclass=BinaryDistribution if _has_binaries() else Distribution,
         package_data={"kvcal": ["bin/*", "lib/*", "_engine*"]} if _has_binaries() else {},
-        install_requires=["grpcio>=1.60", _protobuf_requirement(), "numpy>=1.22"],
+        install_requires=stub_requirements + ["numpy>=1.22"],
+        # Out of the source tree: setuptools' build/ and kvcal.egg-info.
+        options={"build": {"build_base": os.path.join(scratch(), "build")},
+                 "egg_info": {"egg_base": scratch()}},
     )

@@ -4,6 +4,7 @@ loss change with the number of calibration samples.
 
     python bench/python/bench_calibrate.py [--model DIR] [--samples 64] [--seq-len 256]
     python bench/python/bench_calibrate.py --table [--sizes 16,64,256,512] [--holdout 16]
+    python bench/python/bench_calibrate.py --holdout-table [--holdout-sizes 4,8,16,32,64]
 
 The data set is built from text every Debian system has (the licences in
 /usr/share/common-licenses and the packages' copyright files under
@@ -207,6 +208,36 @@ def table(args, dataset):
           f"Δ in nats/token against the unquantized model on them")
 
 
+def holdout_table(args, dataset):
+    """--holdout-table: how much the held-out set resolves as it grows. For
+    each H in --holdout-sizes, one run with --holdout-samples H and the same
+    --samples of calibration (H + 16 windows of --seq-len; static min-max
+    only, FP8 only), and its decision's noise: 2 standard errors of the
+    paired difference of scale 1.0 against the best calibrated setting, the
+    gain of that setting over 1.0, whether the default --tolerance (0.02) is
+    resolved, the windows the run says would resolve it, and the choice."""
+    rows = []
+    for h in sorted(int(x) for x in args.holdout_sizes.split(",")):
+        out = os.path.join(args.work, f"h{h}")
+        _remove(out)
+        flags = ["--samples", str(16 + h), "--holdout-samples", str(h), "--seq-len",
+                 str(args.seq_len), "--observer", "static_minmax", "--kv-cache-formats", "fp8"]
+        result, wall = run_calibrate(args.model, dataset, out, *flags)
+        _remove(out)
+        n = result["decision"]["noise"]
+        rows.append((h, n, result["chosen"]["label"], wall))
+        print(f"H={h}: {wall:.0f} s (load average {load_average()})", file=sys.stderr)
+    print("| held-out windows (tokens) | resolvable: 2 SE of the paired difference | pair | "
+          "gain of the best calibrated over 1.0 | resolves 0.02? | windows the run asks for | "
+          "chosen |")
+    print("|---|---|---|---|---|---|---|")
+    for h, n, chosen, _ in rows:
+        asks = n["windows_needed"] or "(resolved)"
+        print(f"| {h} ({n['tokens']}) | {n['resolvable_nats_per_token']:.4f} | {n['pair']} | "
+              f"{n['gain_over_scale_one']:+.4f} | "
+              f"{'yes' if n['resolvable_nats_per_token'] <= 0.02 else 'no'} | {asks} | {chosen} |")
+
+
 def _load_json(path):
     try:
         with open(path) as f:
@@ -231,6 +262,9 @@ def main():
     p.add_argument("--table", action="store_true", help="the sample-count table instead of the timing")
     p.add_argument("--sizes", default="16,64,256,512")
     p.add_argument("--holdout", type=int, default=16)
+    p.add_argument("--holdout-table", action="store_true",
+                   help="the held-out-size table (what each held-out size resolves)")
+    p.add_argument("--holdout-sizes", default="4,8,16,32,64")
     args = p.parse_args()
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         sys.exit(f"bench_calibrate: no model in {args.model} (./run test downloads SmolLM2 there; or --model DIR)")
@@ -238,7 +272,7 @@ def main():
     dataset = os.path.join(args.work, "corpus.jsonl")
     count = build_corpus(dataset)
     print(f"data set: {dataset}, {count} paragraphs", file=sys.stderr)
-    (table if args.table else timing)(args, dataset)
+    (holdout_table if args.holdout_table else table if args.table else timing)(args, dataset)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ absl::StatusOr<CommandResult> RunReport(const Args& a) {
   KVCAL_RETURN_IF_ERROR(CheckOutputPath(a.output));
   std::vector<std::string> inputs = a.evaluations;
   if (!a.scales.empty()) inputs.push_back(a.scales);
+  if (!a.decision.empty()) inputs.push_back(a.decision);
   for (const std::string& input : inputs) {
     if (SameFile(input, a.output)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -110,6 +111,22 @@ absl::StatusOr<CommandResult> RunReport(const Args& a) {
     }
     in.evaluations.push_back({path, std::move(j)});
   }
+  if (!a.decision.empty()) {
+    std::ifstream f(a.decision);
+    if (!f) {
+      return absl::NotFoundError(
+          absl::StrCat("--decision ", a.decision, ": cannot open it"));
+    }
+    std::stringstream text;
+    text << f.rdbuf();
+    nlohmann::json j = nlohmann::json::parse(text.str(), nullptr,
+                                             /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--decision ", a.decision, ": not a JSON object"));
+    }
+    in.decision = std::move(j);
+  }
   KVCAL_ASSIGN_OR_RETURN(Report report, BuildReport(in));
   KVCAL_RETURN_IF_ERROR(WriteOutputFile(a.output, report.html));
   const Json& rec = report.summary["recommendation"];
@@ -142,6 +159,9 @@ CLI::App* AddReportCommand(CLI::App& app, Args& a) {
   sub->add_option("--eval", a.evaluations,
                   "kvcal.torch.evaluate results (Evaluation.to_json); "
                   "repeat for several");
+  sub->add_option("--decision", a.decision,
+                  "kvcal-calibrate's decision JSON: the page shows it as the "
+                  "recommendation (no rule of the report's own)");
   sub->add_option("--format", a.report_format,
                   "fp8-e4m3fn|fp8-e4m3fnuz|fp8-e5m2|int8")
       ->check(Named(ParseFormat, CliNames(v1::Format_descriptor())))

@@ -101,6 +101,8 @@ struct Args {
   std::string platform = "cuda";
   // kvcal report: evaluation results (kvcal.torch.evaluate JSON files).
   std::vector<std::string> evaluations;
+  // kvcal report: kvcal-calibrate's decision JSON (--decision).
+  std::string decision;
   std::string report_format = "fp8-e4m3fn";
   DemoArgs demo;
 };

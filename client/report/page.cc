@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/report/common.h"
+#include "client/report/decision.h"
 #include "client/report/estimates.h"
 #include "client/report/evaluation.h"
 #include "client/report/recommendation.h"
@@ -504,14 +505,30 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
   const bool have_fp8_rows =
       std::any_of(evaluations.begin(), evaluations.end(),
                   [](const EvaluationRow& r) { return r.kv_format == "fp8"; });
-  Recommendation rec =
-      have_fp8_rows ? RecommendFromEvaluations(evaluations, in.format)
-      : have_estimates && !estimates.empty() ? RecommendFromEstimates(estimates)
-                                             : NoRecommendation(in.scales);
+  Recommendation rec;
+  if (in.decision) {
+    // The rows are named by what they scored, not by files that are gone.
+    for (EvaluationRow& r : evaluations) {
+      r.name = r.kv_format == "fp8" ? r.label
+                                    : absl::StrCat(r.label, " (", r.kv_format,
+                                                   " cache)");
+    }
+    KVCAL_ASSIGN_OR_RETURN(rec, RecommendFromDecision(*in.decision, evaluations));
+  } else {
+    rec = have_fp8_rows ? RecommendFromEvaluations(evaluations, in.format)
+          : have_estimates && !estimates.empty()
+              ? RecommendFromEstimates(estimates)
+              : NoRecommendation(in.scales);
+  }
   rec.json["reason"] = rec.reason;
 
   Page page;
-  RecommendationSection(rec, page);
+  if (in.decision) {
+    page.body += DecisionServeSection(*in.decision);
+    page.body += DecisionCandidatesSection(*in.decision);
+  } else {
+    RecommendationSection(rec, page);
+  }
   ScalesSection(in, rec.json, estimates, page);
   if (have_estimates) HistogramsSection(in, estimates, page);
   OrderedJson estimates_json = OrderedJson::array();
@@ -521,7 +538,13 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
   Report report;
   report.summary = {{"recommendation", rec.json},
                     {"estimates", estimates_json}};
-  if (!evaluations.empty()) {
+  if (in.decision) {
+    page.body += DecisionFormatsSection(*in.decision);
+    report.summary["decision"] = (*in.decision)["decision"];
+    if (!evaluations.empty()) {
+      EvaluationSections(in, evaluations, rec.row, page);
+    }
+  } else if (!evaluations.empty()) {
     SkipAndFormatSection(evaluations, rec.row ? *rec.row : evaluations.front(),
                          report.summary, page);
     EvaluationSections(in, evaluations, rec.row, page);

@@ -43,6 +43,9 @@ struct ReportInputs {
   std::optional<SessionStatistics> statistics;
   std::optional<CalibratedScales> scales;
   std::vector<EvaluationInput> evaluations;
+  // kvcal-calibrate's decision (client/report/decision.h): the page
+  // renders it as the recommendation instead of applying its own rule.
+  std::optional<nlohmann::json> decision;
   Format format = Format::kFp8E4m3fn;
 };
 

@@ -5,12 +5,13 @@ that vLLM 0.34 loads with calibrated FP8 KV-cache (and query) scales.
     python -m kvcal.calibrate MODEL_DIR --dataset prompts.txt
     result = kvcal.calibrate_model("MODEL_DIR", "prompts.jsonl", samples=256)
 
-What it does (docs/calibrate.md is the user's guide):
+What it does (docs/calibrate.md is the user's guide; `--help-guide` prints it):
 1. loads the model and tokenizer with transformers (a local directory, a
    GGUF file with --gguf-file, or a hub name where the hub is reachable);
 2. reads the dataset (calibrate_data.py), shuffles it with --seed, packs it
    into --samples windows of --seq-len tokens and holds back
-   --holdout-samples of them (default 10%, at least 2);
+   --holdout-samples of them (default: a tenth, and at least
+   calibrate_data.HOLDOUT_TOKENS tokens, at most half);
 3. runs the calibration samples through the model under
    kvcal.torch.capture, streaming post-RoPE Q, K and V to a kvcal worker:
    an embedded one (calibrate_worker.py) or --server workers;
@@ -49,9 +50,9 @@ from kvcal import calibrate_data as data
 from kvcal import calibrate_output as output
 from kvcal import calibrate_select as select
 from kvcal import format_advice
-from kvcal.calibrate_run import (PROG, TARGETS, CalibrateError,  # noqa: F401
-                                 CalibrationResult, Interrupted, UsageError,
-                                 _inspect_summary, calibrate_model)
+from kvcal.calibrate_run import (ASSUME_BACKENDS, PROG, TARGETS,  # noqa: F401
+                                 CalibrateError, CalibrationResult, Interrupted,
+                                 UsageError, _inspect_summary, calibrate_model)
 from kvcal.calibrate_worker import WorkerError
 
 __all__ = ["calibrate_model", "CalibrationResult", "CalibrateError", "UsageError", "main"]
@@ -60,9 +61,11 @@ __all__ = ["calibrate_model", "CalibrationResult", "CalibrateError", "UsageError
 # -- command line ----------------------------------------------------------------
 
 def summary(result: CalibrationResult) -> str:
+    """The text summary: every line renders result.decision (one answer)."""
+    d = result.decision
     c = result.chosen
     ones = result.scale_one
-    lines = [f"candidates, scored on {result.samples['holdout']} held-out samples "
+    lines = [f"candidates, scored on {result.samples['holdout']} held-out windows "
              f"({result.holdout_tokens} tokens; unquantized loss {result.reference_nll:.4f} "
              f"nats/token); Δ nats/token against the unquantized model ± standard error, mean "
              f"attention error:"]
@@ -77,30 +80,38 @@ def summary(result: CalibrationResult) -> str:
     lines.append(f"chosen: {c.label}, because {result.why}")
     if c.observer is None:
         lines.append("  the checkpoint gets explicit scales of 1.0: what vLLM uses without scales, "
-                     "written so that vLLM switches the KV cache to FP8 by itself and inspect "
-                     "can check it")
+                     "written so that inspect can check that vLLM loads them")
     else:
         lines.append(f"  against scale 1.0 ({ones.label}): {c.delta - ones.delta:+.4f} nats/token; "
                      f"attention error {100 * c.attention_error:.2f}% (scale 1.0: "
                      f"{100 * ones.attention_error:.2f}%)")
+    lines.extend(d.noise.lines())
     if result.skip is not None:
         lines.extend(result.skip.describe())
     if result.formats is not None:
-        lines.extend(result.formats.describe())
+        lines.extend(result.formats.describe(d.sixteen_bit))
+    if d.written is not c:
+        lines.append(f"the checkpoint holds {d.written.label}: the per-tensor scales "
+                     f"--kv-cache-dtype {d.kv_cache_dtype} was scored with")
     lines.append(f"granularity: {result.platform}")
     lines.append(result.patch.describe())
     v = _inspect_summary(result.inspect)
-    lines.append(f"kvcal inspect: vLLM 0.34 starts: {v.get('starts')}, every scale used as "
-                 f"written: {v.get('clean')}, KV cache {v.get('kv_cache_dtype')}")
+    lines.append(f"kvcal inspect (--kv-cache-dtype {d.inspect_dtype}"
+                 f"{'' if d.inspect_dtype == d.kv_cache_dtype else ', the FP8 line below'}): "
+                 f"vLLM 0.34 starts: "
+                 f"{v.get('starts')}, every scale used as written: {v.get('clean')}, KV cache "
+                 f"{v.get('kv_cache_dtype')}")
     if result.report:
         lines.append(f"report: {result.report}")
-        if result.report_note:
-            lines.append(f"  note: {result.report_note}")
     lines.append("serve it with:")
     lines.append(f"  {result.serve['command']}")
     lines.append(f"  attention backends: {result.serve['backends']}")
     for note in result.serve["notes"]:
         lines.append(f"  note: {note}")
+    alt = result.serve.get("fp8_alternative")
+    if alt:
+        lines.append(f"or, accepting FP8's cost ({alt['cost']}):")
+        lines.append(f"  {alt['command']}")
     t = result.timings
     lines.append("time: " + ", ".join(f"{k.replace('_', '+')} {v:.1f} s" for k, v in t.items()))
     for w in result.warnings:
@@ -114,11 +125,64 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def guide_path() -> Optional[str]:
+    """The user's guide (docs/calibrate.md): the copy the package carries
+    (setup.py puts it in kvcal/guide/), else the checkout's."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "guide", "calibrate.md"),
+                 os.path.join(here, "..", "..", "docs", "calibrate.md")):
+        if os.path.isfile(path):
+            return os.path.abspath(path)
+    return None
+
+
+def version_line() -> str:
+    """`kvcal-calibrate --version`: the package's version, and the kvcal
+    binary's own --version line (the same VERSION file) when it is found."""
+    import subprocess
+
+    import kvcal
+    from kvcal.calibrate_worker import WorkerError, find_binary
+
+    line = f"{PROG} {kvcal.__version__}"
+    try:
+        out = subprocess.run([find_binary("kvcal"), "--version"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+    except (WorkerError, OSError, subprocess.SubprocessError):
+        out = ""
+    return f"{line} ({out})" if out else f"{line} (no kvcal binary found)"
+
+
+class _Guide(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        path = guide_path()
+        if path is None:
+            parser.exit(1, f"{PROG}: the guide (calibrate.md) is not in this installation\n")
+        with open(path, encoding="utf-8") as f:
+            sys.stdout.write(f.read())
+        parser.exit(0)
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit(0)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description=(
         "Calibrate the FP8 KV-cache (and query) scales of a Hugging Face model on a prompt "
         "file, choose the setting on held-out text, and patch the checkpoint so vLLM loads "
-        "them. docs/calibrate.md is the guide."))
+        "them. The guide: kvcal-calibrate --help-guide."))
+    p.add_argument("--version", action=_Version, help="print the version and exit")
+    p.add_argument("--help-guide", action=_Guide,
+                   help="print the user's guide (docs/calibrate.md) and exit")
     p.add_argument("model", metavar="MODEL_DIR", help="model directory (or a hub name)")
     p.add_argument("--dataset", required=True, metavar="FILE",
                    help=".txt (blank-line separated documents), .jsonl (text or messages), "
@@ -128,7 +192,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1,
                    help="samples per forward (default 1, as llm-compressor)")
     p.add_argument("--holdout-samples", type=int, default=None,
-                   help="samples held out to choose the setting on (default 10%%, at least 2)")
+                   help="samples held out to choose the setting on (default: a tenth of them, "
+                        f"and at least {data.HOLDOUT_TOKENS} tokens' worth, at most half)")
     p.add_argument("--packing", choices=("pack", "truncate"), default="pack",
                    help="pack documents into full windows (default) or one sample per document")
     p.add_argument("--server", action="append", metavar="ADDR",
@@ -139,7 +204,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--observer", default="auto",
                    help="auto (every observer) or a comma list of static_minmax, minmax, "
                         "memoryless_minmax, mse, percentile")
-    p.add_argument("--granularity", default="auto", choices=("auto", "tensor", "head"))
+    p.add_argument("--granularity", default="auto", choices=("auto", "tensor", "head"),
+                   help="auto: per tensor, and per head too where FlashAttention 3 runs (this "
+                        "machine's GPU is Hopper or newer, or --assume-backend fa3)")
+    p.add_argument("--assume-backend", default="auto", choices=ASSUME_BACKENDS,
+                   help="fa3: you serve on FlashAttention 3 (Hopper or newer) though this "
+                        "machine has no such GPU, so per-head scales are scored (default auto: "
+                        "what this machine has)")
     p.add_argument("--target", default="compressed-tensors", choices=TARGETS)
     p.add_argument("--kv-only", action="store_true",
                    help="score K and V only (your vLLM backend keeps the query in 16 bits)")
@@ -196,7 +267,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             auth_token_file=args.auth_token_file, keep_session=args.keep_session,
             scales_dir=args.scales_dir, quiet=args.json,
             kv_cache_formats=args.kv_cache_formats, tolerance=args.tolerance,
-            local_statistics=args.local_statistics, flush_batches=args.flush_batches)
+            local_statistics=args.local_statistics, flush_batches=args.flush_batches,
+            assume_backend=args.assume_backend)
     except UsageError as e:
         return _fail(args, str(e), 2)
     except (CalibrateError, data.DataError, WorkerError, output.OutputError) as e:

@@ -37,6 +37,8 @@ from typing import List, Optional
 from kvcal.calibrate_worker import find_binary
 
 SKIP_NAMES = (".kvcal-calibrate", ".kvcal-patch")
+# A run's lock file in a checkout being calibrated in place (calibrate_lock.py).
+SKIP_FILES = (".kvcal-calibrate.lock",)
 FICLONE = 0x40049409  # linux/fs.h _IOW(0x94, 9, int)
 
 
@@ -117,7 +119,7 @@ def _entries(src: str):
     """(relative path, absolute source file) of every file to carry over."""
     for root, dirs, files in os.walk(src, followlinks=False):
         dirs[:] = sorted(d for d in dirs if d not in SKIP_NAMES and not d.endswith(".kvcal-partial"))
-        for name in sorted(files):
+        for name in sorted(f for f in files if f not in SKIP_FILES):
             path = os.path.join(root, name)
             yield os.path.relpath(path, src), os.path.realpath(path)
 
@@ -333,14 +335,12 @@ def _finish(info: PatchInfo, result: subprocess.CompletedProcess) -> PatchInfo:
     return info
 
 
-def inspect(checkpoint: str, target: str) -> dict:
-    """`kvcal inspect --json` of the patched checkpoint (cache dtype fp8 for
-    Quark, which vLLM does not switch by itself); OutputError when vLLM
-    0.34 would refuse it, drop a scale or use 1.0 silently."""
+def inspect(checkpoint: str, target: str, kv_cache_dtype: str = "fp8") -> dict:
+    """`kvcal inspect --json` of the patched checkpoint with the cache dtype
+    the serve line names; OutputError when vLLM 0.34 would refuse it, drop a
+    scale or use 1.0 silently."""
     cli = find_binary("kvcal")
-    args = [cli, "inspect", checkpoint, "--json"]
-    if target == "quark":
-        args += ["--kv-cache-dtype", "fp8"]
+    args = [cli, "inspect", checkpoint, "--json", "--kv-cache-dtype", kv_cache_dtype]
     result = run_tool(args, "kvcal inspect")
     try:
         report = json.loads(result.stdout)
@@ -353,9 +353,15 @@ def inspect(checkpoint: str, target: str) -> dict:
 
 
 def write_report(path: str, target: str, session: str, evaluations: List[str],
-                 token_file: Optional[str] = None, scales: Optional[str] = None) -> dict:
+                 token_file: Optional[str] = None, scales: Optional[str] = None,
+                 decision: Optional[str] = None) -> dict:
+    """`kvcal report`; `decision`: kvcal-calibrate's decision JSON, which the
+    page renders as its recommendation (the report applies no rule of its
+    own then)."""
     cli = find_binary("kvcal")
     args = [cli, "report", "--json", "-o", path]
+    if decision:
+        args += ["--decision", decision]
     if target:
         args += ["--server", target, "--session", session]
     if scales:
@@ -386,17 +392,18 @@ Q_BACKENDS = ("FLASH_ATTN (FlashAttention 2/3), TRITON_ATTN and, on Blackwell, F
               "16 bits")
 
 
-def serve_line(checkpoint: str, chosen, target: str, skip=None) -> dict:
-    """The `vllm serve` command for the chosen setting, and why; `skip` (a
-    kvcal.skip_layers.SkipAdvice) adds --kv-cache-dtype-skip-layers when it
-    advises layers."""
-    args = ["vllm", "serve", checkpoint, "--kv-cache-dtype", "fp8"]
+def serve_arguments(chosen, kv_format: str, target: str):
+    """(the `vllm serve` arguments after the checkpoint for a quantized KV
+    cache `kv_format` with the `chosen` scales, the attention backends that
+    run it, notes). kvcal/calibrate_decision.py puts the line together."""
+    args = ["--kv-cache-dtype", kv_format]
     notes = []
-    if skip is not None and skip.advised:
-        notes.append(f"layers {', '.join(map(str, skip.layers))} keep their KV cache in the "
-                     f"model's dtype ({skip.reason}); the KV cache takes x{skip.cache_ratio:.3f} "
-                     "the bytes per token of an all-FP8 one")
-    if chosen.granularity == "head":
+    if kv_format != "fp8":
+        backends = ("FLASHINFER only (vLLM 0.34 has an NVFP4 cache there alone: trtllm-gen on "
+                    "compute capability 10.x, its FA2 path on 8.x, 9.x and 12.x for nvfp4)")
+        args += ["--attention-backend", "FLASHINFER"]
+        notes.append(f"{kv_format} takes the per-tensor k/v scales as the layers' global scales")
+    elif chosen.granularity == "head":
         args += ["--attention-backend", "FLASH_ATTN"]
         backends = "FLASH_ATTN with FlashAttention 3 (Hopper or newer) only"
         notes.append("per-head scales start only on FlashAttention 3; elsewhere vLLM stops with "
@@ -411,13 +418,10 @@ def serve_line(checkpoint: str, chosen, target: str, skip=None) -> dict:
         notes.append("the choice quantizes Q, K and V: " + Q_BACKENDS)
     if target == "quark":
         notes.append("Quark checkpoints need --kv-cache-dtype fp8 (vLLM does not switch by itself)")
-    if skip is not None and skip.advised:
-        # Last: the option takes every following word (argparse nargs="+").
-        args += skip.argument.split()
-    return {"command": " ".join(_quote(a) for a in args), "backends": backends, "notes": notes}
+    return args, backends, notes
 
 
-def _quote(arg: str) -> str:
+def quote(arg: str) -> str:
     import shlex
 
     return shlex.quote(arg)

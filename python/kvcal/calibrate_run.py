@@ -10,6 +10,7 @@ calibrate_output).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -23,11 +24,13 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 from kvcal import calibrate_data as data
+from kvcal import calibrate_lock
 from kvcal import calibrate_output as output
 from kvcal import calibrate_select as select
 from kvcal import _args
 from kvcal import format_advice
 from kvcal import skip_layers
+from kvcal.calibrate_decision import Decision, decide
 from kvcal.calibrate_worker import EmbeddedWorker, WorkerError
 
 PROG = "kvcal-calibrate"
@@ -35,6 +38,9 @@ PRODUCER = "kvcal-calibrate"
 TARGETS = ("compressed-tensors", "modelopt", "quark")
 # --flush-batches: as kvcal.Producer's flush_batches.
 FLUSH_BATCHES = _args.IntRange(1, None)
+# The run lock (calibrate_lock.py): taken in _prepare, released when
+# calibrate_model returns or raises (test_calibrate_lock.py reads this).
+_RUN_LOCK_WIRED = True
 
 
 class CalibrateError(RuntimeError):
@@ -51,11 +57,12 @@ class Interrupted(KeyboardInterrupt):
 
 @dataclass
 class CalibrationResult:
+    """A finished run: `decision` is the one answer (calibrate_decision.py)
+    that the summary, to_dict() (`--json`), the report and the checkpoint
+    all render."""
     checkpoint: str                       # the patched checkpoint directory
     report: Optional[str]
-    chosen: select.Candidate
-    candidates: List[select.Candidate]
-    serve: dict
+    decision: Decision
     inspect: dict
     patch: output.PatchInfo
     session: str
@@ -64,12 +71,35 @@ class CalibrationResult:
     timings: Dict[str, float] = field(default_factory=dict)
     warnings: List[str] = field(default_factory=list)
     reference_nll: float = math.nan
-    holdout_tokens: int = 0
-    why: str = ""                         # why the chosen candidate, in words
     resumed: Optional[dict] = None        # {"skipped_batches", "batches"} after --resume
-    report_note: str = ""                 # where the report's own recommendation differs
-    skip: Optional[skip_layers.SkipAdvice] = None  # which layers to keep unquantized
-    formats: Optional[format_advice.FormatAdvice] = None  # which KV cache format, measured
+
+    @property
+    def chosen(self) -> select.Candidate:
+        return self.decision.chosen
+
+    @property
+    def candidates(self) -> List[select.Candidate]:
+        return self.decision.candidates
+
+    @property
+    def serve(self) -> dict:
+        return self.decision.serve
+
+    @property
+    def why(self) -> str:
+        return self.decision.why
+
+    @property
+    def skip(self) -> Optional[skip_layers.SkipAdvice]:
+        return self.decision.skip
+
+    @property
+    def formats(self) -> Optional[format_advice.FormatAdvice]:
+        return self.decision.formats
+
+    @property
+    def holdout_tokens(self) -> int:
+        return self.decision.noise.tokens
 
     @property
     def scale_one(self) -> select.Candidate:
@@ -78,23 +108,20 @@ class CalibrationResult:
 
     def to_dict(self) -> dict:
         ones = self.scale_one
-        return {
+        out = {
             "ok": True, "checkpoint": self.checkpoint, "report": self.report,
             "session": self.session, "chosen": self.chosen.to_dict(),
             "why": self.why,
             "versus_scale_one": {"delta_nll": _num(self.chosen.delta - ones.delta),
                                  "attention_error": _num(self.chosen.attention_error),
                                  "attention_error_scale_one": _num(ones.attention_error)},
-            "candidates": [c.to_dict() for c in self.candidates],
-            "reference_nll": _num(self.reference_nll), "holdout_tokens": self.holdout_tokens,
             "serve": self.serve, "platform": self.platform,
             "patch": vars(self.patch), "inspect": _inspect_summary(self.inspect),
             "samples": self.samples, "timings": {k: round(v, 3) for k, v in self.timings.items()},
             "warnings": self.warnings, "resumed": self.resumed,
-            "report_note": self.report_note or None,
-            "skip_layers": self.skip.to_dict() if self.skip is not None else None,
-            "cache_formats": self.formats.to_dict() if self.formats is not None else None,
         }
+        out.update(self.decision.view(self.reference_nll))
+        return out
 
 
 def _num(x):
@@ -117,15 +144,22 @@ class _Ui:
         if not self.quiet:
             print(f"{PROG}: {text}", file=sys.stderr, flush=True)
 
-    def bar(self, total=None, desc="", unit="it"):
+    def warn(self, text: str) -> None:
+        """A warning: on stderr even with --json."""
+        print(f"{PROG}: warning: {text}", file=sys.stderr, flush=True)
+
+    def bar(self, total=None, desc="", unit="it", estimate=False):
+        """A progress bar that ends at its total: when the step finishes, the
+        bar is completed (an `estimate` total becomes the count reached) and
+        replaced by one finished line. Nothing for an empty step."""
         try:
             from tqdm.auto import tqdm
         except ImportError:  # pragma: no cover - tqdm is in the [torch] extra
             tqdm = None
-        if self.quiet or tqdm is None:
+        if self.quiet or tqdm is None or total == 0:
             return _NoBar()
-        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
-                    leave=False, mininterval=0.5)
+        return _Bar(tqdm(total=total, desc=desc, unit=unit, file=sys.stderr,
+                         dynamic_ncols=True, leave=False, mininterval=0.5), self, estimate)
 
 
 class _NoBar:
@@ -143,6 +177,39 @@ class _NoBar:
 
     def __exit__(self, *exc):
         pass
+
+
+class _Bar:
+    """tqdm, finished truthfully (see _Ui.bar)."""
+
+    def __init__(self, bar, ui: "_Ui", estimate: bool):
+        self._bar, self._ui, self._estimate = bar, ui, estimate
+        self._start = time.monotonic()
+
+    def update(self, n=1):
+        self._bar.update(n)
+
+    def set_postfix_str(self, s):
+        self._bar.set_postfix_str(s)
+
+    def close(self, finished: bool = True):
+        bar = self._bar
+        if finished and bar.total is not None:
+            if self._estimate:
+                bar.total = bar.n
+            else:
+                bar.n = bar.total
+            bar.refresh()
+        bar.close()
+        if finished:
+            self._ui.say(f"{bar.desc}: done, {bar.n:,} {bar.unit}"
+                         f"{'' if bar.n == 1 else 's'} in {time.monotonic() - self._start:.1f} s")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        self.close(finished=exc_type is None)
 
 
 # -- model ---------------------------------------------------------------------
@@ -301,6 +368,7 @@ class _Run:
     stage: str = "prepare"    # prepare | upload | score | patch | done
     resumed: Optional[dict] = None
     worker: Optional[EmbeddedWorker] = None
+    lock: Optional[calibrate_lock.RunLock] = None  # one run per output, the whole run
     o: SimpleNamespace = field(default_factory=SimpleNamespace)  # the run's options
 
 
@@ -448,30 +516,57 @@ def _resolve_observers(spec: str) -> List[str]:
     return out
 
 
-def _platform(torch, target: str, granularity: str, kv_only: bool):
-    """(granularities to try, the platform assumption in words)."""
+ASSUME_BACKENDS = ("auto", "fa3")
+
+
+def _hopper(torch) -> str:
+    """The name of this machine's Hopper-class (or newer) CUDA GPU, or ''."""
+    if (torch.cuda.is_available() and torch.version.hip is None
+            and torch.cuda.get_device_capability(0) >= (9, 0)):
+        return torch.cuda.get_device_name(0)
+    return ""
+
+
+def _this_machine(torch) -> str:
+    if not torch.cuda.is_available():
+        return "this machine has no GPU"
+    major, minor = torch.cuda.get_device_capability(0)
+    return (f"this machine's GPU ({torch.cuda.get_device_name(0)}, compute capability "
+            f"{major}.{minor}) cannot run it")
+
+
+def _platform(torch, target: str, granularity: str, kv_only: bool,
+              assume_backend: str = "auto"):
+    """(granularities to try, the platform assumption in words). Per head
+    is scored only where it can start: FlashAttention 3, on this machine's
+    GPU or with --assume-backend fa3; asked for elsewhere, it is refused."""
     if target != "compressed-tensors":
         if granularity == "head":
             raise UsageError(f"--granularity head: --target {target} takes per-tensor scales only")
         return ["tensor"], f"per tensor only: {target} checkpoints carry one scale per tensor"
     if granularity == "tensor":
         return ["tensor"], "per tensor only (--granularity tensor): every FP8 attention backend"
+    gpu = _hopper(torch)
+    fa3 = assume_backend == "fa3" or bool(gpu)
+    where = ("assumed with --assume-backend fa3" if assume_backend == "fa3"
+             else f"this machine's GPU ({gpu}) is Hopper-class, assumed to be the serving GPU")
     if granularity == "head":
         if kv_only:
             raise UsageError("--granularity head with --kv-only: per-head scales run on "
                              "FlashAttention 3 only, which quantizes the query too")
-        return ["head"], ("per head only (--granularity head): assumes serving on FlashAttention 3 "
-                          "(Hopper or newer)")
-    hopper = (torch.cuda.is_available() and torch.version.hip is None
-              and torch.cuda.get_device_capability(0) >= (9, 0))
-    if hopper and not kv_only:
+        if not fa3:
+            raise UsageError(f"--granularity head: per-head scales start only on FlashAttention "
+                             f"3 (Hopper or newer) and {_this_machine(torch)}; pass "
+                             f"--assume-backend fa3 if you serve on Hopper or newer, or use "
+                             f"--granularity tensor")
+        return ["head"], (f"per head only (--granularity head): FlashAttention 3 ({where}); "
+                          f"it quantizes the query, so only Q, K, V settings are scored")
+    if fa3 and not kv_only:
         return ["tensor", "head"], (
-            f"per tensor and per head: this machine's GPU ({torch.cuda.get_device_name(0)}) "
-            f"is Hopper-class, assumed to be the serving GPU (per head starts only on "
-            f"FlashAttention 3)")
+            f"per tensor and per head: FlashAttention 3 ({where}; per head starts only there)")
     return ["tensor"], ("per tensor only: per-head scales start only on FlashAttention 3 "
                         "(Hopper or newer) and this machine has no such GPU, so an A100, L40S or "
-                        "MI300 is assumed; pass --granularity head to score per head")
+                        "MI300 is assumed; pass --assume-backend fa3 to score per head too")
 
 
 def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: int = 2048,
@@ -488,7 +583,8 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
                     kv_cache_formats: str = "fp8,nvfp4",
                     tolerance: float = format_advice.DEFAULT_TOLERANCE,
                     local_statistics: bool = False,
-                    flush_batches: Optional[int] = None) -> CalibrationResult:
+                    flush_batches: Optional[int] = None,
+                    assume_backend: str = "auto") -> CalibrationResult:
     """Calibrates `model` on `dataset` and patches it; see the module docs.
     Raises CalibrateError (with a one-line message) or UsageError."""
     ui = _Ui(quiet)
@@ -496,12 +592,12 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
     timings: Dict[str, float] = {}
     warnings: List[str] = []
     _check_arguments(samples, seq_len, batch_size, holdout_samples, target, granularity, device,
-                     dtype, packing, resume, session, server, lock_timeout)
+                     dtype, packing, resume, session, server, lock_timeout, assume_backend)
     observers = _resolve_observers(observer)
     formats = _check_formats(kv_cache_formats, tolerance)
     flush_batches = _check_local_statistics(local_statistics, flush_batches)
     holdout_given = holdout_samples is not None
-    holdout = holdout_samples if holdout_given else max(2, int(round(samples * 0.1)))
+    holdout = holdout_samples if holdout_given else data.default_holdout(samples, seq_len)
     if holdout >= samples:
         raise UsageError(f"--samples {samples} leaves nothing to calibrate on after {holdout} "
                          f"held-out samples; ask for at least {holdout + 1}")
@@ -509,59 +605,81 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
     # Model, config, dataset, output: checked before anything is written.
     run, documents, text_config, previous = _prepare(model, dataset, out, gguf_file, target,
                                                      resume, server, ui)
-
-    import torch
-
-    device, dtype = _device_and_dtype(torch, device, dtype)
-    granularities, platform = _platform(torch, target, granularity, kv_only)
-    kv_modes = [True] if kv_only else [True, False]
-
-    t = time.monotonic()
-    ui.say(f"loading the tokenizer of {model}")
-    tokenizer, load_weights = _load_model(run.directory, run.gguf, device, getattr(torch, dtype), ui)
-    timings["load"] = time.monotonic() - t
-
-    t = time.monotonic()
-    with ui.bar(total=samples * seq_len, desc="tokenizing", unit="tok") as bar:
-        sampled = data.make_samples(documents, tokenizer, path=dataset, samples=samples,
-                                    seq_len=seq_len, holdout=holdout, seed=seed, packing=packing,
-                                    holdout_given=holdout_given, progress=bar.update)
-    del documents
-    timings["tokenize"] = time.monotonic() - t
-    if sampled.short:
-        warnings.append(
-            f"{dataset} gives {sampled.count} samples of up to {seq_len} tokens ({sampled.tokens} "
-            f"tokens from {sampled.documents} documents); asked for {samples}: calibrating on "
-            f"{len(sampled.calibration)} and holding out {len(sampled.holdout)}")
-        ui.say("warning: " + warnings[-1])
-    options = {"seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
-               "device": device.split(":")[0], "packing": packing, "seed": seed}
-    fingerprint = _fingerprint(sampled, text_config, options)
-    session_id = _session_of(run, previous, session, fingerprint)
-    _check_resume_mode(run, previous, local_statistics, flush_batches)
     try:
-        _makedirs(run.work, run.created)
-    except OSError as e:
-        raise CalibrateError(f"cannot create {run.work}: {e.strerror}") from None
-    try:
-        for name, value in dict(
-                previous=previous, resume=resume, fingerprint=fingerprint, session_id=session_id,
-                server=server, token=token, token_file=auth_token_file, load_weights=load_weights,
-                text_config=text_config, sampled=sampled, pad=data.pad_id_of(tokenizer),
-                device=device, batch_size=batch_size, observers=observers,
-                granularities=granularities, kv_modes=kv_modes, platform=platform, target=target,
-                report=report, lock_timeout=lock_timeout, keep_session=keep_session,
-                timings=timings, warnings=warnings, t_start=t_start, dtype=dtype, seq_len=seq_len,
-                scales_dir=scales_dir, formats=formats, tolerance=tolerance,
-                local_statistics=bool(local_statistics), flush_batches=flush_batches).items():
-            setattr(run.o, name, value)
-        return _calibrate(run, _Journal(run.work), ui)
-    except BaseException as e:
-        _raise_after_cleanup(run, e, previous)
+        _check_context(seq_len, text_config, model)
+
+        import torch
+
+        device, dtype = _device_and_dtype(torch, device, dtype)
+        granularities, platform = _platform(torch, target, granularity, kv_only, assume_backend)
+        # FlashAttention 3 alone (per head only) quantizes the query: no K/V-only setting.
+        kv_modes = [True] if kv_only else [False] if granularities == ["head"] else [True, False]
+
+        t = time.monotonic()
+        ui.say(f"loading the tokenizer of {model}")
+        tokenizer, load_weights = _load_model(run.directory, run.gguf, device, getattr(torch, dtype), ui)
+        timings["load"] = time.monotonic() - t
+
+        t = time.monotonic()
+        with ui.bar(total=samples * seq_len, desc="tokenizing", unit="token", estimate=True) as bar:
+            sampled = data.make_samples(documents, tokenizer, path=dataset, samples=samples,
+                                        seq_len=seq_len, holdout=holdout, seed=seed, packing=packing,
+                                        holdout_given=holdout_given, progress=bar.update)
+        del documents
+        timings["tokenize"] = time.monotonic() - t
+        if sampled.short:
+            warnings.append(
+                f"{dataset} gives {sampled.count} samples of up to {seq_len} tokens ({sampled.tokens} "
+                f"tokens from {sampled.documents} documents); asked for {samples}: calibrating on "
+                f"{len(sampled.calibration)} and holding out {len(sampled.holdout)}")
+            ui.warn(warnings[-1])
+        options = {"seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
+                   "device": device.split(":")[0], "packing": packing, "seed": seed}
+        fingerprint = _fingerprint(sampled, text_config, options)
+        session_id = _session_of(run, previous, session, fingerprint)
+        _check_resume_mode(run, previous, local_statistics, flush_batches)
+        try:
+            _makedirs(run.work, run.created)
+        except OSError as e:
+            raise CalibrateError(f"cannot create {run.work}: {e.strerror}") from None
+        try:
+            for name, value in dict(
+                    previous=previous, resume=resume, fingerprint=fingerprint, session_id=session_id,
+                    server=server, token=token, token_file=auth_token_file, load_weights=load_weights,
+                    text_config=text_config, sampled=sampled, pad=data.pad_id_of(tokenizer),
+                    device=device, batch_size=batch_size, observers=observers,
+                    granularities=granularities, kv_modes=kv_modes, platform=platform, target=target,
+                    report=report, lock_timeout=lock_timeout, keep_session=keep_session,
+                    timings=timings, warnings=warnings, t_start=t_start, dtype=dtype, seq_len=seq_len,
+                    scales_dir=scales_dir, formats=formats, tolerance=tolerance,
+                    local_statistics=bool(local_statistics), flush_batches=flush_batches,
+                    model_dtype=_served_dtype(text_config, run.gguf),
+                    dtype_argument=GGUF_EXPORT_DTYPE if run.gguf else None).items():
+                setattr(run.o, name, value)
+            return _calibrate(run, _Journal(run.work), ui)
+        except BaseException as e:
+            _raise_after_cleanup(run, e, previous)
+    finally:
+        run.lock.release()  # after the cleanup: the lock covers the whole run
+
+
+# The dtype a GGUF model's conversion is written in (its quantized weights
+# have no torch dtype of their own), and the --dtype the serve line passes.
+GGUF_EXPORT_DTYPE = "bfloat16"
+
+
+def _served_dtype(text_config: dict, gguf: Optional[str]) -> str:
+    """The dtype vLLM serves the checkpoint in (--dtype auto reads the
+    config's torch_dtype / dtype)."""
+    if gguf:
+        return GGUF_EXPORT_DTYPE
+    value = text_config.get("torch_dtype") or text_config.get("dtype") or "bfloat16"
+    return str(value).replace("torch.", "")
 
 
 def _check_arguments(samples, seq_len, batch_size, holdout_samples, target, granularity, device,
-                     dtype, packing, resume, session, server, lock_timeout) -> None:
+                     dtype, packing, resume, session, server, lock_timeout,
+                     assume_backend="auto") -> None:
     """UsageError naming the first argument out of its range."""
     for name, value, low in (("--samples", samples, 1), ("--seq-len", seq_len, 2),
                              ("--batch-size", batch_size, 1)):
@@ -584,6 +702,22 @@ def _check_arguments(samples, seq_len, batch_size, holdout_samples, target, gran
         raise UsageError("--resume with --server needs --session ID (the session to continue)")
     if lock_timeout is not None and lock_timeout < 0:
         raise UsageError("--lock-timeout must be >= 0")
+    if assume_backend not in ASSUME_BACKENDS:
+        raise UsageError(f"--assume-backend {assume_backend}: not one of "
+                         f"{', '.join(ASSUME_BACKENDS)}")
+
+
+def _check_context(seq_len: int, text_config: dict, model: str) -> None:
+    """--seq-len within the model's context (max_position_embeddings): past
+    it the positions are ones the model never saw, and the scales would
+    calibrate RoPE angles it is never served with."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        limit = text_config.get(key)
+        if isinstance(limit, int) and limit > 0:
+            if seq_len > limit:
+                raise UsageError(f"--seq-len {seq_len} is longer than {model}'s context "
+                                 f"({key} {limit}); use --seq-len {limit} or less")
+            return
 
 
 def _check_local_statistics(local_statistics: bool,
@@ -677,14 +811,26 @@ def _prepare(model, dataset, out, gguf_file, target, resume, server, ui):
         _check_in_place(directory)
     run = _Run(model, directory, gguf, os.path.abspath(out) if out else None,
                _work_dir(directory, out))
-    previous = _Journal(run.work).read_run()
-    if previous and not resume:
-        raise CalibrateError(f"an interrupted run left its state in {run.work} (session "
-                             f"{previous.get('session')}); add --resume to continue it, or "
-                             f"delete that directory to start over")
-    if resume and not previous and not server:
-        raise CalibrateError(f"nothing to resume: {run.work} holds no interrupted run of "
-                             f"{model}{' into ' + out if out else ''}")
+    # One run per output, until calibrate_model returns or raises: the work
+    # directory (journal, worker state, staging) is this run's alone.
+    try:
+        run.lock = calibrate_lock.run_lock(directory, out)
+    except calibrate_lock.LockError as e:
+        raise CalibrateError(str(e)) from None
+    try:
+        if out:
+            _check_out(out)  # again under the lock: its last holder may just have written OUT
+        previous = _Journal(run.work).read_run()
+        if previous and not resume:
+            raise CalibrateError(f"an interrupted run left its state in {run.work} (session "
+                                 f"{previous.get('session')}); add --resume to continue it, or "
+                                 f"delete that directory to start over")
+        if resume and not previous and not server:
+            raise CalibrateError(f"nothing to resume: {run.work} holds no interrupted run of "
+                                 f"{model}{' into ' + out if out else ''}")
+    except BaseException:
+        run.lock.release()
+        raise
     return run, documents, text_config, previous
 
 
@@ -769,19 +915,14 @@ def _calibrate(run: "_Run", journal: "_Journal", ui: _Ui) -> CalibrationResult:
         run.worker = None
     shutil.rmtree(run.work, ignore_errors=True)
     o.timings["total"] = time.monotonic() - o.t_start
-    chosen, checkpoint = scoring.chosen, written.checkpoint
     return CalibrationResult(
-        checkpoint=checkpoint, report=written.report, chosen=chosen,
-        candidates=scoring.candidates,
-        serve=output.serve_line(checkpoint, chosen, o.target, scoring.skip),
+        checkpoint=written.checkpoint, report=written.report, decision=scoring.decision,
         inspect=written.inspected, patch=written.patch, session=o.session_id,
         samples={"calibration": len(o.sampled.calibration), "holdout": len(o.sampled.holdout),
                  "tokens": o.sampled.tokens, "seq_len": o.seq_len, "batch_size": o.batch_size,
                  "documents": o.sampled.documents, "requested": o.sampled.requested},
         platform=o.platform, timings=o.timings, warnings=o.warnings,
-        reference_nll=scoring.scored["reference_nll"], holdout_tokens=scoring.scored["tokens"],
-        why=scoring.why, resumed=run.resumed, report_note=written.report_note,
-        skip=scoring.skip, formats=scoring.formats)
+        reference_nll=scoring.scored["reference_nll"], resumed=run.resumed)
 
 
 def _connect(run: "_Run", ui: _Ui):
@@ -994,18 +1135,25 @@ def _score(run: "_Run", client, geometry, ui: _Ui) -> SimpleNamespace:
                                         o.formats, o.tolerance, progress=lambda: bar.update(1))
     if o.scales_dir:
         _save_candidates(o.scales_dir, candidates)
+    decision = decide(
+        chosen, candidates, scored["blocks"], select.why(chosen, candidates, scored["blocks"]),
+        skip, formats, checkpoint=run.out or run.directory, target=o.target,
+        model_dtype=o.model_dtype, windows=len(o.sampled.holdout), tokens=scored["tokens"],
+        tolerance=o.tolerance, dtype_argument=o.dtype_argument)
     return SimpleNamespace(candidates=candidates, scored=scored, chosen=chosen, skip=skip,
-                           formats=formats, why=select.why(chosen, candidates, scored["blocks"]))
+                           formats=formats, decision=decision)
 
 
 def _patch_and_report(run: "_Run", scoring: SimpleNamespace) -> SimpleNamespace:
-    """The chosen scales patched into the checkpoint (in place or --out),
-    inspected, and the HTML report written."""
+    """The decision's scales patched into the checkpoint (in place or
+    --out), inspected for the cache dtype the serve line names, and the HTML
+    report written from the same decision (kvcal report --decision)."""
     o = run.o
-    chosen = scoring.chosen
+    decision: Decision = scoring.decision
+    written = decision.written
     scales_path = os.path.join(run.work, "scales.safetensors")
-    chosen.scales.metadata["kvcal_calibrate_choice"] = chosen.label
-    chosen.scales.save(scales_path)
+    written.scales.metadata["kvcal_calibrate_choice"] = written.label
+    written.scales.save(scales_path)
     export = _gguf_exporter(o.model, run) if run.gguf else None
     run.stage = "patch"
     patch = output.patch_checkpoint(run.directory, scales_path, out=run.out,
@@ -1013,11 +1161,11 @@ def _patch_and_report(run: "_Run", scoring: SimpleNamespace) -> SimpleNamespace:
                                     lock_timeout=o.lock_timeout, export=export,
                                     committed=lambda: setattr(run, "stage", "done"))
     checkpoint = patch.output_dir
-    inspected = output.inspect(checkpoint, o.target)
+    inspected = output.inspect(checkpoint, o.target, decision.inspect_dtype)
     report_path = os.path.abspath(o.report) if o.report else os.path.join(checkpoint, "kvcal-report.html")
     evals = []
     for c in scoring.candidates:
-        if c.observer is None or c.same_as is not None or c.evaluation is None:
+        if c.same_as is not None or c.evaluation is None:
             continue
         path = os.path.join(run.work, f"eval-{len(evals)}.json")
         c.evaluation.to_json(path)
@@ -1028,38 +1176,18 @@ def _patch_and_report(run: "_Run", scoring: SimpleNamespace) -> SimpleNamespace:
             path = os.path.join(run.work, f"eval-{len(evals)}-{f.kv_format}.json")
             f.evaluation.to_json(path)
             evals.append(path)
+    decision_path = os.path.join(run.work, "decision.json")
+    with open(decision_path, "w") as f:
+        json.dump(decision.view(scoring.scored["reference_nll"]), f)
     rep_target = ",".join(o.server) if o.server else run.worker.target
-    report_note = ""
     try:
-        page = output.write_report(report_path, rep_target, o.session_id, evals, o.token_file)
-        report_note = _report_differs(page.get("recommendation") or {}, chosen)
+        output.write_report(report_path, rep_target, o.session_id, evals, o.token_file,
+                            scales=scales_path, decision=decision_path)
     except output.OutputError as e:
         o.warnings.append(f"no report: {e}")
         report_path = None
     return SimpleNamespace(patch=patch, checkpoint=checkpoint, inspected=inspected,
-                           report=report_path, report_note=report_note)
-
-
-def _report_differs(rec: dict, chosen: select.Candidate) -> str:
-    """A sentence when `kvcal report`'s Recommendation section (its fixed
-    rule among the calibrated rows; scale 1.0 is not one) names another
-    setting than the one chosen, else ''."""
-    if rec.get("basis") != "evaluation":
-        return ""
-    same = (chosen.observer is not None and rec.get("observer") == chosen.observer
-            and rec.get("granularity") == chosen.granularity
-            and (rec.get("quantize") == "k_v") == chosen.kv_only)
-    if same:
-        return ""
-    kind = "K, V" if rec.get("quantize") == "k_v" else "Q, K, V"
-    label = rec.get("label") or ""
-    if " per " not in label:  # not one of kvcal-calibrate's labels
-        label = f"{label or rec.get('observer')} per {rec.get('granularity')}, {kind}"
-    elif label.endswith(("Q, K, V", "K, V")) and not label.endswith(kind):
-        label = f"{label.rsplit(', ', 3 if label.endswith('Q, K, V') else 2)[0]}, {kind}"
-    return (f"the report's Recommendation section names {label}: kvcal report's own rule (0.01 nats/token "
-            f"against static min-max per tensor, among calibrated settings only); the choice "
-            f"above also weighs scale 1.0 and the measured standard errors")
+                           report=report_path)
 
 
 def _test_seam(stage: str) -> None:
@@ -1114,22 +1242,42 @@ def _close_with_bar(producer, ui: _Ui) -> None:
 
 def _gguf_exporter(model, run):
     """export(dir): the GGUF model's de-quantized weights as an ordinary
-    safetensors checkpoint (a model built from the config without GGUF's
-    quantization_config, holding the loaded weights), with its tokenizer."""
+    safetensors checkpoint in GGUF_EXPORT_DTYPE (a model built from the
+    config without GGUF's quantization_config, holding the loaded weights;
+    its config's dtype says so, and the serve line passes --dtype), with its
+    tokenizer."""
     def export(directory: str) -> int:
         import copy
 
+        import torch
         import transformers
 
+        dtype = getattr(torch, GGUF_EXPORT_DTYPE)
         config = copy.deepcopy(model.config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        plain = type(model)(config).to(dtype=next(model.parameters()).dtype)
+        config.torch_dtype = dtype
+        plain = type(model)(config).to(dtype=dtype)
         plain.load_state_dict({k: v.to("cpu") for k, v in model.state_dict().items()})
-        plain.save_pretrained(directory)
+        with _transformers_quiet(transformers):
+            plain.save_pretrained(directory)
         del plain
         transformers.AutoTokenizer.from_pretrained(
             run.directory, gguf_file=os.path.basename(run.gguf)).save_pretrained(directory)
         return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(directory)
                    for f in fs)
     return export
+
+
+@contextlib.contextmanager
+def _transformers_quiet(transformers):
+    """transformers' own progress bars off for a step whose phase line is
+    kvcal-calibrate's (save_pretrained's "Writing model shards")."""
+    logging = transformers.utils.logging
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()

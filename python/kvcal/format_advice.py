@@ -51,6 +51,7 @@ class FormatFigure:
     skip: Optional[skip_layers.SkipAdvice] = None
     ones_delta: float = math.nan       # Δ with global scale 1.0 (NVFP4), for comparison
     evaluation: Optional[object] = None  # kvcal.torch.Evaluation (formats other than FP8)
+    candidate: Optional[object] = None   # the calibrate_select.Candidate whose scales it used
 
     @property
     def best_delta(self) -> float:
@@ -95,7 +96,10 @@ class FormatAdvice:
     def kv_cache_dtype(self) -> str:
         return self.recommended.kv_format if self.recommended is not None else "auto"
 
-    def describe(self) -> List[str]:
+    def describe(self, sixteen_bit: str = "auto") -> List[str]:
+        """The summary's lines; `sixteen_bit`: the --kv-cache-dtype that keeps
+        the cache unquantized (calibrate_decision names the model's dtype:
+        a patched checkpoint makes `auto` FP8)."""
         lines = [f"cache format (tolerance Δ ≤ {self.tolerance:g} nats/token on held-out):"]
         for f in self.figures:
             skip = f", skip {' '.join(map(str, f.skip_layers))}" if f.skip_layers else ""
@@ -104,20 +108,22 @@ class FormatAdvice:
                          f"attention error {100 * f.attention_error:.2f}%, cache x"
                          f"{f.cache_ratio:.3f} of 16-bit: {mark}")
         if self.recommended is None:
-            lines.append("  recommended: none of them; keep the KV cache in the model's dtype "
-                         "(--kv-cache-dtype auto)")
+            lines.append(f"  recommended: none of them; keep the KV cache in 16 bits "
+                         f"(--kv-cache-dtype {sixteen_bit})")
         else:
             r = self.recommended
             arg = f" {skip_layers.argument(r.skip_layers)}" if r.skip_layers else ""
             lines.append(f"  recommended: --kv-cache-dtype {r.kv_format}{arg}")
         return lines
 
-    def to_dict(self) -> dict:
+    def to_dict(self, sixteen_bit: str = "auto") -> dict:
         return {"tolerance_nats_per_token": self.tolerance,
                 "rule": "fewest cache bytes among the formats whose held-out Δ nats/token "
-                        "(with their advised skip layers) is at most the tolerance",
+                        "(with their advised skip layers) is at most the tolerance, else the "
+                        "model's 16-bit dtype",
                 "formats": [f.to_dict(self.tolerance) for f in self.figures],
-                "recommended": self.kv_cache_dtype,
+                "recommended": (self.kv_cache_dtype if self.recommended is not None
+                                else sixteen_bit),
                 "skip_layers": self.recommended.skip_layers if self.recommended else []}
 
 
@@ -172,7 +178,7 @@ def compare(model, batches: list, chosen: select.Candidate,
     for fmt in formats:
         if fmt == "fp8":
             advice.figures.append(FormatFigure("fp8", chosen.label, chosen.delta, chosen.se,
-                                               _mean_error(chosen), fp8_skip))
+                                               _mean_error(chosen), fp8_skip, candidate=chosen))
             continue
         base = _per_tensor(chosen, candidates)
         if base is None:
@@ -190,7 +196,7 @@ def compare(model, batches: list, chosen: select.Candidate,
             progress()
         advice.figures.append(FormatFigure(fmt, c.label, c.delta, c.se, _mean_error(c), skip,
                                            ones_delta=ones.delta if ones else math.nan,
-                                           evaluation=c.evaluation))
+                                           evaluation=c.evaluation, candidate=base))
     advice.recommended = recommend(advice.figures, tolerance)
     return advice
 

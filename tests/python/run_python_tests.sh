@@ -4,7 +4,7 @@
 # `./run test` calls this after ctest. Quiet and idempotent: requirements are
 # installed again only when requirements.txt changes (a stamp holds its hash),
 # vLLM's wheel (.venv/vllm-VERSION/, for test_vllm_own_code.py) only when
-# requirements-vllm.txt changes, the kvcal package only when python/,
+# requirements-vllm.txt changes, the kvcal package only when python/, docs/calibrate.md,
 # proto/ or VERSION changes.
 #
 #   tests/python/run_python_tests.sh [pytest args...]
@@ -144,7 +144,8 @@ pkg_stamp="$VENV/.kvcal-package.sha256"
 mapfile -t pkg_files < <(cd "$ROOT" && find python proto -type f \
   \( -name '*.py' -o -name '*.proto' -o -name '*.toml' \) \
   -not -name '*_pb2*.py' -not -path '*/build/*' -not -path '*.egg-info/*' | sort)
-pkg_want="$(cd "$ROOT" && hash_of "${pkg_files[@]}" VERSION)"
+# docs/calibrate.md: the package carries it (kvcal-calibrate --help-guide).
+pkg_want="$(cd "$ROOT" && hash_of "${pkg_files[@]}" VERSION docs/calibrate.md)"
 if [ "$(cat "$pkg_stamp" 2>/dev/null)" != "$pkg_want" ]; then
   log "installing python"
   "$PY" -m pip install -q --no-deps --no-build-isolation "$ROOT/python" \

@@ -208,21 +208,33 @@ def test_every_candidate_scored_and_one_chosen(calibrated):
     best = min((c for c in r["candidates"] if not c["same_as"]), key=lambda c: c["delta_nll"])
     assert next(c for c in r["candidates"] if c["best"])["label"] == best["label"]
     assert r["why"]
-    assert r["samples"]["holdout"] == 2 and r["samples"]["calibration"] == 14
-    assert r["holdout_tokens"] == 2 * 63
+    # The default held-out set: at least calibrate_data.HOLDOUT_TOKENS tokens,
+    # at most half the windows (here half).
+    assert r["samples"]["holdout"] == 8 and r["samples"]["calibration"] == 8
+    assert r["holdout_tokens"] == 8 * 63
+    assert r["decision"]["noise"]["tokens"] == 8 * 63
     for stage in ("load", "tokenize", "forwards", "upload", "finalize_evaluate", "patch"):
         assert r["timings"][stage] >= 0
-    assert r["serve"]["command"].startswith(f"vllm serve {calibrated['out']} --kv-cache-dtype fp8")
+    # The serve line serves the recommended cache format (or the model's
+    # 16-bit dtype when none is within the tolerance), with its skip layers.
+    served = r["decision"]["kv_cache_dtype"]
+    assert served == r["cache_formats"]["recommended"]
+    words = r["serve"]["command"].split()
+    assert words[:3] == ["vllm", "serve", calibrated["out"]]
+    assert words[words.index("--kv-cache-dtype") + 1] == served
     # Skip-layer advice for the chosen setting (kvcal/skip_layers.py): the
     # per-layer errors of all 30 layers; the argument in the serve line
     # exactly when advised, and then only with a measured gain.
     skip = r["skip_layers"]
     assert skip["kv_format"] == "fp8" and len(skip["layer_error"]) == 30
     if skip["advised"]:
-        assert r["serve"]["command"].endswith(" " + skip["argument"])
         assert skip["gain"] > 2 * skip["gain_se"] > 0
     else:
         assert skip["argument"] is None
+    layers = r["decision"]["skip_layers"]
+    if layers:
+        assert words[-len(layers) - 1:] == ["--kv-cache-dtype-skip-layers"] + [str(l) for l in layers]
+    else:
         assert "--kv-cache-dtype-skip-layers" not in r["serve"]["command"]
     # The cache-format comparison (kvcal/format_advice.py), by default FP8 and
     # NVFP4 on the same held-out windows: FP8's figures are the chosen
@@ -242,7 +254,7 @@ def test_every_candidate_scored_and_one_chosen(calibrated):
         assert math.isfinite(nv["delta_nll_scale_one"])
     within = [f for f in fmt["formats"] if f["within_tolerance"]]
     want = min(within, key=lambda f: (f["cache_bytes_ratio"], f["best_delta_nll"]))["kv_format"] \
-        if within else "auto"
+        if within else "bfloat16"  # SmolLM2's float32 checkpoint is served in bfloat16
     assert fmt["recommended"] == want
 
 
@@ -326,7 +338,7 @@ def test_report_renders_without_console_errors(calibrated):
         if c["observer"] and not c["same_as"]:
             assert c["label"] in dom, c["label"]
     # The NVFP4 run is in the evaluation table and the cache-format section,
-    # which names the format kvcal-calibrate recommended (the same rule).
+    # which names the format kvcal-calibrate recommended (its decision).
     assert "(K/V nvfp4)" in dom
     assert "Layers to leave unquantized" in dom and "Cache format" in dom
     want = calibrated["json"]["cache_formats"]["recommended"]
@@ -577,7 +589,8 @@ def in_process(capsys, *argv):
 
 @pytest.mark.parametrize("case", ["missing-model", "empty-dataset", "jsonl-without-text",
                                   "no-attention", "mla", "seq-len-0", "unwritable-out",
-                                  "out-not-empty"])
+                                  "out-not-empty", "seq-len-past-context",
+                                  "head-without-fa3"])
 def test_bad_input_is_one_line_and_changes_nothing(case, smollm2_dir, bad_models, dataset,
                                                    tmp_path, capsys):
     model, data_path, out = smollm2_dir, dataset, str(tmp_path / "out")
@@ -604,6 +617,13 @@ def test_bad_input_is_one_line_and_changes_nothing(case, smollm2_dir, bad_models
     elif case == "seq-len-0":
         extra = ["--seq-len", "0"]
         want, code = "--seq-len must be", 2
+    elif case == "seq-len-past-context":
+        extra = ["--seq-len", "100000"]  # SmolLM2: max_position_embeddings 8192
+        want, code = "--seq-len 100000 is longer than", 2
+    elif case == "head-without-fa3":
+        # No GPU here: per head cannot start, so it is refused before any work.
+        extra = ["--granularity", "head"]
+        want, code = "pass --assume-backend fa3", 2
     elif case == "unwritable-out":
         out = "/proc/kvcal-calibrate-test/out"
         want, code = "cannot write --out", 1
@@ -725,10 +745,12 @@ def test_sampling_is_seeded_and_keeps_held_out_documents_apart():
     held = set().union(*map(doc_of, a.holdout))
     cal = set().union(*map(doc_of, a.calibration))
     assert held and cal and not held & cal
-    # Too little text: what there is, split again (10% held out, at least 2).
+    # Too little text: what there is, split again by the default rule
+    # (calibrate_data.default_holdout: here at most half of the windows).
     short, _ = make(0, samples=500)
     assert short.short and short.count < 500
-    assert len(short.holdout) == max(2, short.count // 10) and short.calibration
+    assert len(short.holdout) == calibrate_data.default_holdout(short.count, 16)
+    assert len(short.holdout) == max(2, short.count // 2) and short.calibration
     with pytest.raises(calibrate_data.DataError, match="needs at least 3"):
         calibrate_data.make_samples(["a b c d"], WordTokenizer(), path="x", samples=8,
                                     seq_len=16, holdout=2, seed=0)
@@ -857,6 +879,19 @@ def test_gguf_model_gives_a_safetensors_checkpoint(dataset, tmp_path):
     assert len(scale_tensors(out)) == 30 * 3
     assert os.path.exists(os.path.join(out, "config.json"))
     assert snapshot(gguf_dir) == before
+    # Written in bfloat16 (not the float32 the model ran in: half the bytes),
+    # the config says so, and the serve line carries the --dtype vLLM needs.
+    from safetensors import safe_open
+
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert (config.get("torch_dtype") or config.get("dtype")) == "bfloat16", config
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+        dtypes = {str(f.get_slice(k).get_dtype()) for k in f.keys()
+                  if not re.search(r"\.[qkv]_scale$", k)}
+    assert dtypes == {"BF16"}, dtypes
+    words = r["serve"]["command"].split()
+    assert words[words.index("--dtype") + 1] == "bfloat16" and words.count("--dtype") == 1
     # In place is refused: a GGUF file is not a checkpoint kvcal patches.
     refused = run(gguf_dir, "--gguf-file", smollm2.GGUF_FILE, "--dataset", dataset)
     assert refused.returncode == 1 and "pass --out DIR" in one_line(refused.stderr), refused.stderr

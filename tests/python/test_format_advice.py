@@ -83,7 +83,11 @@ def test_recommendation_follows_the_rule():
     assert format_advice.recommend(figures, 0.001) is None
     none = format_advice.FormatAdvice(tolerance=0.001, figures=figures)
     assert none.kv_cache_dtype == "auto"
-    assert "keep the KV cache in the model's dtype" in "\n".join(none.describe())
+    # kvcal-calibrate names the 16-bit dtype (a patched checkpoint turns
+    # `auto` into FP8): calibrate_decision passes it in.
+    assert "keep the KV cache in 16 bits (--kv-cache-dtype bfloat16)" in "\n".join(
+        none.describe("bfloat16"))
+    assert none.to_dict("bfloat16")["recommended"] == "bfloat16"
     # A format over the tolerance with every layer quantized but within it
     # with its advised skip layers counts with them, and pays their bytes.
     skip = skip_layers.SkipAdvice(kv_format="nvfp4", layers=[2], tried=[2],

@@ -118,20 +118,26 @@ def test_outlier_layer_is_advised_and_skipping_it_helps(kv_format, kv_only):
     assert advice.argument in text and "exceeds 3 x the median" in text
     # kvcal-calibrate's `vllm serve` line ends with it (the option takes
     # every following word), and its note gives the cost.
-    from kvcal import calibrate_output
+    from kvcal import calibrate_decision
 
-    serve = calibrate_output.serve_line("/m", cand, "compressed-tensors", advice)
+    serve = calibrate_decision.serve_line("/m", cand, "compressed-tensors", None, advice,
+                                          "bfloat16")
     assert shlex.split(serve["command"])[-2:] == ["--kv-cache-dtype-skip-layers", str(OUTLIER)]
     assert any("x1.250 the bytes per token" in n for n in serve["notes"]), serve["notes"]
-    plain = calibrate_output.serve_line("/m", cand, "compressed-tensors")
+    plain = calibrate_decision.serve_line("/m", cand, "compressed-tensors", None, None,
+                                          "bfloat16")
     assert serve["command"] == plain["command"] + " " + advice.argument
     # kvcal-calibrate's summary prints the advice and the serve line.
     from kvcal import calibrate
 
+    decision = calibrate_decision.Decision(
+        chosen=cand, candidates=[cand], why="test",
+        noise=calibrate_decision.Noise(8, out["tokens"], out["tokens"] // 8, 0.02), skip=advice,
+        formats=None, model_dtype="bfloat16", serve=serve)
     result = SimpleNamespace(
         chosen=cand, scale_one=cand, candidates=[cand], samples={"holdout": 8},
         holdout_tokens=out["tokens"], reference_nll=out["reference_nll"], why="test",
-        skip=advice, formats=None, platform="per tensor",
+        skip=advice, formats=None, platform="per tensor", decision=decision,
         patch=SimpleNamespace(describe=lambda: "patched"),
         inspect={}, report=None, serve=serve, timings={}, warnings=[])
     text = calibrate.summary(result)
@@ -154,9 +160,10 @@ def test_no_outlier_no_advice():
         assert not advice.gain > select.Z * advice.gain_se
     per_layer = cand.evaluation.attention_error.mean(axis=1)
     assert advice.layer_error == pytest.approx(per_layer.tolist())
-    from kvcal import calibrate_output
+    from kvcal import calibrate_decision
 
-    serve = calibrate_output.serve_line("/m", cand, "compressed-tensors", advice)
+    serve = calibrate_decision.serve_line("/m", cand, "compressed-tensors", None, advice,
+                                          "bfloat16")
     assert "skip-layers" not in serve["command"] and not any("dtype (" in n for n in serve["notes"])
 
 
