@@ -58,6 +58,21 @@ absl::StatusOr<SessionStatistics> ExportStatistics(CalibrationClient& client,
   return std::move(*merged);
 }
 
+// The JSON document in `path`; NotFound / InvalidArgument naming `what`.
+absl::StatusOr<nlohmann::json> ReadJson(const std::string& path,
+                                        const std::string& what) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat(what, ": cannot open it"));
+  std::stringstream text;
+  text << f.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr,
+                                           /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": not valid JSON"));
+  }
+  return j;
+}
+
 }  // namespace
 
 absl::StatusOr<CommandResult> RunReport(const Args& a) {
@@ -96,36 +111,18 @@ absl::StatusOr<CommandResult> RunReport(const Args& a) {
   }
   in.source = absl::StrJoin(sources, "; ");
   for (const std::string& path : a.evaluations) {
-    std::ifstream f(path);
-    if (!f) {
-      return absl::NotFoundError(
-          absl::StrCat("evaluation ", path, ": cannot open it"));
-    }
-    std::stringstream text;
-    text << f.rdbuf();
-    nlohmann::json j = nlohmann::json::parse(text.str(), nullptr,
-                                             /*allow_exceptions=*/false);
-    if (j.is_discarded()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("evaluation ", path, ": not valid JSON"));
-    }
+    KVCAL_ASSIGN_OR_RETURN(nlohmann::json j,
+                           ReadJson(path, absl::StrCat("evaluation ", path)));
     in.evaluations.push_back({path, std::move(j)});
   }
   if (!a.decision.empty()) {
-    std::ifstream f(a.decision);
-    if (!f) {
-      return absl::NotFoundError(
-          absl::StrCat("--decision ", a.decision, ": cannot open it"));
-    }
-    std::stringstream text;
-    text << f.rdbuf();
-    nlohmann::json j = nlohmann::json::parse(text.str(), nullptr,
-                                             /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object()) {
+    KVCAL_ASSIGN_OR_RETURN(
+        in.decision,
+        ReadJson(a.decision, absl::StrCat("--decision ", a.decision)));
+    if (!in.decision->is_object()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--decision ", a.decision, ": not a JSON object"));
     }
-    in.decision = std::move(j);
   }
   KVCAL_ASSIGN_OR_RETURN(Report report, BuildReport(in));
   KVCAL_RETURN_IF_ERROR(WriteOutputFile(a.output, report.html));

@@ -87,14 +87,13 @@ absl::StatusOr<Recommendation> RecommendFromDecision(
       {"observer", observer && observer->is_string()
                        ? observer->get<std::string>()
                        : std::string("scale_one")},
-      {"granularity", Str(*d, "granularity") == "one"
-                          ? std::string("tensor")
-                          : Str(*d, "granularity")},
+      {"granularity", Str(*d, "granularity") == "one" ? std::string("tensor")
+                                                      : Str(*d, "granularity")},
       {"quantize", kv_only ? "k_v" : "q_k_v"},
       {"margin", 1.0},
       {"kv_cache_dtype", Str(*d, "kv_cache_dtype")},
-      {"skip_layers", Field(*d, "skip_layers") ? *Field(*d, "skip_layers")
-                                               : Json::array()},
+      {"skip_layers",
+       Field(*d, "skip_layers") ? *Field(*d, "skip_layers") : Json::array()},
       {"serve", Str(*serve, "command")},
   };
   rec.reason = Str(*d, "why");
@@ -107,8 +106,7 @@ absl::StatusOr<Recommendation> RecommendFromDecision(
 std::string DecisionServeSection(const Json& view) {
   const Json& d = view["decision"];
   const Json& serve = d["serve"];
-  std::string body =
-      "<section id=\"recommendation\"><h2>Recommendation</h2>";
+  std::string body = "<section id=\"recommendation\"><h2>Recommendation</h2>";
   const std::string dtype = Str(d, "kv_cache_dtype");
   const std::string skip = LayersText(Field(d, "skip_layers"));
   absl::StrAppendFormat(
@@ -191,8 +189,7 @@ std::string DecisionFormatsSection(const Json& view) {
   if (skip && skip->is_object()) {
     const std::string layers = LayersText(Field(*skip, "layers"));
     absl::StrAppendFormat(
-        &body, "<p>%s: %s (%s).</p>",
-        Escape(Str(*skip, "kv_format")),
+        &body, "<p>%s: %s (%s).</p>", Escape(Str(*skip, "kv_format")),
         layers.empty() ? std::string("none advised")
                        : absl::StrCat("layers ", layers, " (",
                                       Escape(Str(*skip, "argument")), ")"),

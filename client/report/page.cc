@@ -509,11 +509,12 @@ absl::StatusOr<Report> BuildReport(const ReportInputs& in) {
   if (in.decision) {
     // The rows are named by what they scored, not by files that are gone.
     for (EvaluationRow& r : evaluations) {
-      r.name = r.kv_format == "fp8" ? r.label
-                                    : absl::StrCat(r.label, " (", r.kv_format,
-                                                   " cache)");
+      r.name = r.kv_format == "fp8"
+                   ? r.label
+                   : absl::StrCat(r.label, " (", r.kv_format, " cache)");
     }
-    KVCAL_ASSIGN_OR_RETURN(rec, RecommendFromDecision(*in.decision, evaluations));
+    KVCAL_ASSIGN_OR_RETURN(rec,
+                           RecommendFromDecision(*in.decision, evaluations));
   } else {
     rec = have_fp8_rows ? RecommendFromEvaluations(evaluations, in.format)
           : have_estimates && !estimates.empty()

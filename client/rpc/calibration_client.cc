@@ -536,27 +536,8 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
     KVCAL_RETURN_IF_ERROR(
         CheckProducerIsNew(session_id, options.producer_id, per_worker));
   }
-  // Local statistics: each worker's tensors of calibration batches become
-  // that worker's partials; only held-out ones stay chunks.
-  std::vector<std::vector<PartialUpload>> partials(workers_.size());
-  if (options.local_statistics_batches > 0) {
-    if (!options.build_partials) {
-      return absl::InvalidArgumentError(
-          "local statistics need UploaderOptions::build_partials "
-          "(kvcal_local_partials' BuildPartials)");
-    }
-    KVCAL_ASSIGN_OR_RETURN(const Geometry geometry, GeometryFromWire(session));
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      KVCAL_ASSIGN_OR_RETURN(
-          partials[i],
-          options.build_partials(geometry, session.reject_non_finite(),
-                                 per_worker[i], options.holdout_batches,
-                                 options.local_statistics_batches));
-      std::erase_if(per_worker[i], [&](const ChunkView& c) {
-        return options.holdout_batches.count(c.batch) == 0;
-      });
-    }
-  }
+  KVCAL_ASSIGN_OR_RETURN(const std::vector<std::vector<PartialUpload>> partials,
+                         BuildWorkerPartials(session, options, per_worker));
   // Where a worker was found again under a new address (per worker; each
   // upload thread writes only its own).
   std::vector<std::string> moved_to(workers_.size());
@@ -578,6 +559,39 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
     });
   }
   for (std::thread& t : threads) t.join();
+  AdoptMovedWorkers(moved_to);
+  return SumUploads(results, per_worker);
+}
+
+absl::StatusOr<std::vector<std::vector<PartialUpload>>>
+CalibrationClient::BuildWorkerPartials(
+    const v1::Session& session, const UploaderOptions& options,
+    std::vector<std::vector<ChunkView>>& per_worker) const {
+  // Local statistics: each worker's tensors of calibration batches become
+  // that worker's partials; only held-out ones stay chunks.
+  std::vector<std::vector<PartialUpload>> partials(workers_.size());
+  if (options.local_statistics_batches == 0) return partials;
+  if (!options.build_partials) {
+    return absl::InvalidArgumentError(
+        "local statistics need UploaderOptions::build_partials "
+        "(kvcal_local_partials' BuildPartials)");
+  }
+  KVCAL_ASSIGN_OR_RETURN(const Geometry geometry, GeometryFromWire(session));
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    KVCAL_ASSIGN_OR_RETURN(
+        partials[i],
+        options.build_partials(geometry, session.reject_non_finite(),
+                               per_worker[i], options.holdout_batches,
+                               options.local_statistics_batches));
+    std::erase_if(per_worker[i], [&](const ChunkView& c) {
+      return options.holdout_batches.count(c.batch) == 0;
+    });
+  }
+  return partials;
+}
+
+void CalibrationClient::AdoptMovedWorkers(
+    const std::vector<std::string>& moved_to) {
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (moved_to[i].empty()) continue;
     absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
@@ -587,6 +601,11 @@ absl::StatusOr<UploadResult> CalibrationClient::Upload(
     workers_[i].channel = *channel;
     workers_[i].stub = v1::Calibration::NewStub(*channel);
   }
+}
+
+absl::StatusOr<UploadResult> CalibrationClient::SumUploads(
+    const std::vector<absl::StatusOr<UploadResult>>& results,
+    const std::vector<std::vector<ChunkView>>& per_worker) const {
   UploadResult total;
   bool any = false;
   total.shared_memory = true;  // every worker's chunks went by reference

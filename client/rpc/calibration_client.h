@@ -116,6 +116,17 @@ class CalibrationClient {
   absl::Status CheckProducerIsNew(
       const std::string& session_id, const std::string& producer_id,
       const std::vector<std::vector<ChunkView>>& per_worker) const;
+  // Upload's steps: local statistics' partials per worker (the chunks of
+  // calibration batches leave `per_worker`; none without local statistics),
+  // the addresses workers were found again under, the workers' results
+  // summed (the first failure, named by its worker).
+  absl::StatusOr<std::vector<std::vector<PartialUpload>>> BuildWorkerPartials(
+      const v1::Session& session, const UploaderOptions& options,
+      std::vector<std::vector<ChunkView>>& per_worker) const;
+  void AdoptMovedWorkers(const std::vector<std::string>& moved_to);
+  absl::StatusOr<UploadResult> SumUploads(
+      const std::vector<absl::StatusOr<UploadResult>>& results,
+      const std::vector<std::vector<ChunkView>>& per_worker) const;
   // The session's shard map (the first worker's that has it, `any`) agrees
   // with every worker's and with this client's worker set and sharding
   // rule; `have` and `lack` are the ids of the workers with and without it.

@@ -597,10 +597,7 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
     formats = _check_formats(kv_cache_formats, tolerance)
     flush_batches = _check_local_statistics(local_statistics, flush_batches)
     holdout_given = holdout_samples is not None
-    holdout = holdout_samples if holdout_given else data.default_holdout(samples, seq_len)
-    if holdout >= samples:
-        raise UsageError(f"--samples {samples} leaves nothing to calibrate on after {holdout} "
-                         f"held-out samples; ask for at least {holdout + 1}")
+    holdout = _holdout(samples, seq_len, holdout_samples)
     token = _read_token(auth_token_file)
     # Model, config, dataset, output: checked before anything is written.
     run, documents, text_config, previous = _prepare(model, dataset, out, gguf_file, target,
@@ -621,27 +618,16 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
         timings["load"] = time.monotonic() - t
 
         t = time.monotonic()
-        with ui.bar(total=samples * seq_len, desc="tokenizing", unit="token", estimate=True) as bar:
-            sampled = data.make_samples(documents, tokenizer, path=dataset, samples=samples,
-                                        seq_len=seq_len, holdout=holdout, seed=seed, packing=packing,
-                                        holdout_given=holdout_given, progress=bar.update)
+        sampled = _tokenize(documents, tokenizer, dataset, samples, seq_len, holdout,
+                            holdout_given, seed, packing, ui, warnings)
         del documents
         timings["tokenize"] = time.monotonic() - t
-        if sampled.short:
-            warnings.append(
-                f"{dataset} gives {sampled.count} samples of up to {seq_len} tokens ({sampled.tokens} "
-                f"tokens from {sampled.documents} documents); asked for {samples}: calibrating on "
-                f"{len(sampled.calibration)} and holding out {len(sampled.holdout)}")
-            ui.warn(warnings[-1])
         options = {"seq_len": seq_len, "batch_size": batch_size, "dtype": dtype,
                    "device": device.split(":")[0], "packing": packing, "seed": seed}
         fingerprint = _fingerprint(sampled, text_config, options)
         session_id = _session_of(run, previous, session, fingerprint)
         _check_resume_mode(run, previous, local_statistics, flush_batches)
-        try:
-            _makedirs(run.work, run.created)
-        except OSError as e:
-            raise CalibrateError(f"cannot create {run.work}: {e.strerror}") from None
+        _make_work_dir(run)
         try:
             for name, value in dict(
                     previous=previous, resume=resume, fingerprint=fingerprint, session_id=session_id,
@@ -661,6 +647,41 @@ def calibrate_model(model: str, dataset: str, *, samples: int = 512, seq_len: in
             _raise_after_cleanup(run, e, previous)
     finally:
         run.lock.release()  # after the cleanup: the lock covers the whole run
+
+
+def _make_work_dir(run: "_Run") -> None:
+    try:
+        _makedirs(run.work, run.created)
+    except OSError as e:
+        raise CalibrateError(f"cannot create {run.work}: {e.strerror}") from None
+
+
+def _holdout(samples: int, seq_len: int, holdout_samples: Optional[int]) -> int:
+    """The held-out windows asked for (calibrate_data.default_holdout when
+    --holdout-samples is not given); UsageError when none are left."""
+    holdout = (holdout_samples if holdout_samples is not None
+               else data.default_holdout(samples, seq_len))
+    if holdout >= samples:
+        raise UsageError(f"--samples {samples} leaves nothing to calibrate on after {holdout} "
+                         f"held-out samples; ask for at least {holdout + 1}")
+    return holdout
+
+
+def _tokenize(documents, tokenizer, dataset, samples, seq_len, holdout, holdout_given, seed,
+              packing, ui, warnings) -> data.Samples:
+    """The windows (calibration and held out), with a progress bar and a
+    warning when the data set is shorter than asked for."""
+    with ui.bar(total=samples * seq_len, desc="tokenizing", unit="token", estimate=True) as bar:
+        sampled = data.make_samples(documents, tokenizer, path=dataset, samples=samples,
+                                    seq_len=seq_len, holdout=holdout, seed=seed, packing=packing,
+                                    holdout_given=holdout_given, progress=bar.update)
+    if sampled.short:
+        warnings.append(
+            f"{dataset} gives {sampled.count} samples of up to {seq_len} tokens ({sampled.tokens} "
+            f"tokens from {sampled.documents} documents); asked for {samples}: calibrating on "
+            f"{len(sampled.calibration)} and holding out {len(sampled.holdout)}")
+        ui.warn(warnings[-1])
+    return sampled
 
 
 # The dtype a GGUF model's conversion is written in (its quantized weights

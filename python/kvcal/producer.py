@@ -504,6 +504,18 @@ class WorkerProducer(_ProducerBase):
             except OSError as e:
                 self._shm_fall_back(f"cannot create shared memory: {e}")
 
+        self._init_stream_state()
+        self._next_sequence = self._first_sequence(start_sequence, resume)
+        self._acked = self._durable = self._next_sequence - 1
+        self._wire_bytes = 0  # serialized IngestRequests sent (resends included)
+        self._local = self._make_local(local_statistics, flush_batches, flush_seconds,
+                                       local_backend, local_device, bool(local_async))
+        self._thread = threading.Thread(target=self._run, name=f"kvcal-producer-{self.producer_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _init_stream_state(self) -> None:
+        """The state the streaming thread and put() share."""
         # One condition for all of the state below: notified on every change
         # a waiter may wait for (a chunk put, an acknowledgement or durable
         # watermark that releases chunks, close, an error, a stream's end).
@@ -520,8 +532,12 @@ class WorkerProducer(_ProducerBase):
         self._batches_started = False
         # Chunks put while True are sent as held out (see the module docs).
         self.holdout = False
-        self.geometry = None  # the session's, read from the worker below
+        self.geometry = None  # the session's, read from the worker by _first_sequence
 
+    def _first_sequence(self, start_sequence: Optional[int], resume: bool) -> int:
+        """The sequence of the first chunk: `start_sequence`, else one past
+        the worker's watermark of this producer (which must be 0 unless
+        `resume`). Reads the session's geometry too."""
         watermark = self._server_watermark()  # also reads the geometry
         applied = watermark[0] if watermark else 0
         if start_sequence is None:
@@ -533,14 +549,7 @@ class WorkerProducer(_ProducerBase):
                     f"{applied} chunks applied; use a new producer_id, or resume=True to "
                     f"continue after chunk {applied}")
             start_sequence = applied + 1
-        self._next_sequence = int(start_sequence)
-        self._acked = self._durable = self._next_sequence - 1
-        self._wire_bytes = 0  # serialized IngestRequests sent (resends included)
-        self._local = self._make_local(local_statistics, flush_batches, flush_seconds,
-                                       local_backend, local_device, bool(local_async))
-        self._thread = threading.Thread(target=self._run, name=f"kvcal-producer-{self.producer_id}",
-                                        daemon=True)
-        self._thread.start()
+        return int(start_sequence)
 
     def _make_local(self, local_statistics: bool, flush_batches: Optional[int],
                     flush_seconds: Optional[float], backend: Optional[str],

@@ -62,20 +62,23 @@ TEST(ReportDecisionTest, TheRecommendationIsTheDecisionNotARuleOfItsOwn) {
 TEST(ReportDecisionTest, SectionsShowTheServeLineCandidatesAndFormats) {
   const Json d = Decision();
   const std::string serve = DecisionServeSection(d);
-  EXPECT_THAT(serve, HasSubstr("<code id=\"serve-command\">vllm serve /m --dtype "
-                               "bfloat16 --kv-cache-dtype bfloat16</code>"));
+  EXPECT_THAT(serve,
+              HasSubstr("<code id=\"serve-command\">vllm serve /m --dtype "
+                        "bfloat16 --kv-cache-dtype bfloat16</code>"));
   EXPECT_THAT(serve, HasSubstr("<code id=\"fp8-command\">vllm serve /m "
                                "--kv-cache-dtype fp8</code>"));
   EXPECT_THAT(serve, HasSubstr("KV cache: <b>bfloat16</b>"));
   EXPECT_THAT(serve, HasSubstr("a &lt;note&gt;"));
   EXPECT_THAT(serve, HasSubstr("too few held-out tokens to decide"));
   const std::string table = DecisionCandidatesSection(d);
-  EXPECT_THAT(table, HasSubstr("<tr class=\"chosen\"><td>scale 1.0, K, V</td>"));
+  EXPECT_THAT(table,
+              HasSubstr("<tr class=\"chosen\"><td>scale 1.0, K, V</td>"));
   EXPECT_THAT(table, HasSubstr("<td>static min-max per tensor, K, V</td>"));
   EXPECT_THAT(table, HasSubstr("765 tokens"));
   const std::string formats = DecisionFormatsSection(d);
   EXPECT_THAT(formats, HasSubstr("here <b>bfloat16</b>"));
-  EXPECT_THAT(formats, Not(HasSubstr("class=\"chosen\"")));  // fp8 is not served
+  EXPECT_THAT(formats,
+              Not(HasSubstr("class=\"chosen\"")));  // fp8 is not served
 }
 
 TEST(ReportDecisionTest, AMissingFieldIsNamed) {
