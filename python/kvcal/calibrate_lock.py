@@ -73,6 +73,8 @@ import sys
 import time
 from typing import List, Optional
 
+from kvcal._fs import pid_alive, same_file
+
 IN_PLACE_NAME = ".kvcal-calibrate.lock"   # MODEL/.kvcal-calibrate.lock
 OUT_SUFFIX = ".kvcal-calibrate.lock"      # DIR.kvcal-calibrate.lock
 GRACE = 1.0        # seconds a new holder gets to write its record
@@ -127,7 +129,7 @@ class RunLock:
         if fd is None:
             return
         try:
-            if os.getpid() == self._owner and _same_file(fd, self.path):
+            if os.getpid() == self._owner and same_file(fd, self.path):
                 os.unlink(self.path)
         except OSError:
             pass
@@ -178,7 +180,7 @@ def _acquire(path, out, directory, record, created, grace) -> RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                if not _same_file(fd, path):
+                if not same_file(fd, path):
                     # Its holder is releasing it (unlinked, not yet closed): again.
                     os.close(fd)
                     fd = -1
@@ -195,7 +197,7 @@ def _acquire(path, out, directory, record, created, grace) -> RunLock:
                 continue
             except OSError as e:
                 raise LockError(f"cannot lock {path}: {e.strerror}") from None
-            if not _same_file(fd, path):
+            if not same_file(fd, path):
                 os.close(fd)  # a releasing holder unlinked it: start again
                 fd = -1
                 vanished += 1
@@ -311,21 +313,8 @@ def _gone(record: dict) -> bool:
     """True when the record names a process of this host that has exited."""
     if record.get("host") != socket.gethostname() or record["pid"] <= 0:
         return False
-    return not _alive(record["pid"])
+    return not pid_alive(record["pid"])
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie has exited
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def describe(record: dict) -> str:
@@ -364,14 +353,6 @@ def _locked_message(path: str, out: Optional[str], directory: str, holder: Optio
         who = f"another kvcal-calibrate run: {describe(holder)}"
     return f"{what} {who}; {todo} (lock file {path})"
 
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _command_line() -> str:

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from kvcal._fs import same_file
 from kvcal.calibrate_worker import find_binary
 
 SKIP_NAMES = (".kvcal-calibrate", ".kvcal-patch")
@@ -173,7 +174,7 @@ def shared_lock(checkpoint: str, timeout: Optional[float]):
                                   f"or pass --lock-timeout SECONDS to wait") from None
             time.sleep(0.2)
             continue
-        if _same_file(fd, path):
+        if same_file(fd, path):
             break
         os.close(fd)  # a releasing writer unlinked it: start again
     try:
@@ -181,7 +182,7 @@ def shared_lock(checkpoint: str, timeout: Optional[float]):
     finally:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the last reader cleans up
-            if _same_file(fd, path):
+            if same_file(fd, path):
                 os.unlink(path)
                 try:
                     os.rmdir(staging)
@@ -191,14 +192,6 @@ def shared_lock(checkpoint: str, timeout: Optional[float]):
             pass
         os.close(fd)
 
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _holder(path: str) -> str:

@@ -38,9 +38,6 @@ PRODUCER = "kvcal-calibrate"
 TARGETS = ("compressed-tensors", "modelopt", "quark")
 # --flush-batches: as kvcal.Producer's flush_batches.
 FLUSH_BATCHES = _args.IntRange(1, None)
-# The run lock (calibrate_lock.py): taken in _prepare, released when
-# calibrate_model returns or raises (test_calibrate_lock.py reads this).
-_RUN_LOCK_WIRED = True
 
 
 class CalibrateError(RuntimeError):

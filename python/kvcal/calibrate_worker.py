@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Optional
 
+from kvcal._fs import pid_alive
+
 
 class WorkerError(RuntimeError):
     pass
@@ -48,19 +50,6 @@ def _parent_death_signal():
     except Exception:  # noqa: BLE001 - not Linux: the worker outlives a killed parent
         pass
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purpose
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _cmdline(pid: int) -> str:
@@ -94,10 +83,10 @@ class EmbeddedWorker:
                 pid = int(f.read().strip() or 0)
         except (OSError, ValueError):
             return
-        if pid <= 0 or not _alive(pid) or self.state_dir not in _cmdline(pid):
+        if pid <= 0 or not pid_alive(pid) or self.state_dir not in _cmdline(pid):
             return
         deadline = time.monotonic() + timeout
-        while _alive(pid):
+        while pid_alive(pid):
             if time.monotonic() > deadline:
                 raise WorkerError(f"the worker of an earlier run (pid {pid}) still holds "
                                   f"{self.state_dir}; stop it (kill {pid}) and rerun")

@@ -58,23 +58,7 @@ def test_help_points_to_a_guide_that_is_there():
     assert path is not None and os.path.isfile(path)
 
 
-@pytest.fixture(scope="module")
-def smollm2_dir():
-    import smollm2
-
-    smollm2.require()
-    return smollm2.checkpoint_dir()
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    with open(os.path.join(LICENSES, "GPL-3"), encoding="utf-8") as f:
-        docs = [" ".join(d.split()) for d in re.split(r"\n\s*\n", f.read()) if d.strip()]
-    out = tmp_path_factory.mktemp("data") / "gpl3.jsonl"
-    with open(out, "w") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
-    return str(out)
+from test_calibrate import dataset, smollm2_dir  # noqa: E402,F401 (fixtures)
 
 
 SMALL = ("--samples", "8", "--seq-len", "32", "--observer", "static_minmax",

@@ -13,7 +13,7 @@ output directory.
   its record yet is waited for briefly, then named as such;
 - a releasing holder's unlink between a contender's open and flock makes
   the contender start again (it never holds an unlinked file);
-- end to end (once calibrate_run wires the lock in, _RUN_LOCK_WIRED): two
+- end to end: two
   real kvcal-calibrate runs on one --out: the second exits 1 at once with
   one line naming the first's pid, no traceback; the first completes.
 """
@@ -387,62 +387,12 @@ def test_a_parent_that_is_a_file_is_refused_and_nothing_left(tmp_path):
 
 # -- two real kvcal-calibrate runs on one --out ------------------------------------------
 
-def calibrate_env():
-    from conftest import BUILD
-
-    e = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", KVCAL_BUILD_DIR=BUILD)
-    e["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), os.path.dirname(__file__)]
-                                      + [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return e
+# The helpers and fixtures of test_calibrate.py (SmolLM2, GPL-3 as .jsonl).
+from test_calibrate import command as calibrate_command  # noqa: E402
+from test_calibrate import dataset, smollm2_dir, workers_for  # noqa: E402,F401
+from test_calibrate import env as calibrate_env  # noqa: E402
 
 
-def calibrate_command(*args):
-    return [sys.executable, "-m", "kvcal.calibrate", *args]
-
-
-def workers_for(path):
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().split(")")[-1].split()[0]
-        except OSError:
-            continue
-        if "kvcal-worker" in cmd and path in cmd and state != "Z":
-            found.append(int(pid))
-    return found
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir():
-    import smollm2
-
-    smollm2.require()
-    return smollm2.checkpoint_dir()
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    path = os.path.join(LICENSES, "GPL-3")
-    if not os.path.exists(path):
-        path = os.path.join(ROOT, "README.md")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    out = tmp_path_factory.mktemp("data") / "gpl3.jsonl"
-    with open(out, "w") as f:
-        for d in re.split(r"\n\s*\n", text):
-            if d.strip():
-                f.write(json.dumps({"text": " ".join(d.split())}) + "\n")
-    return str(out)
-
-
-@pytest.mark.skipif(not hasattr(kvcal.calibrate_run, "_RUN_LOCK_WIRED"),
-                    reason="the run lock is not wired into kvcal.calibrate_run yet "
-                           "(it sets _RUN_LOCK_WIRED when it is)")
 def test_two_runs_on_one_out(smollm2_dir, dataset, tmp_path):
     out = str(tmp_path / "out")
     work = out + ".kvcal-calibrate"
