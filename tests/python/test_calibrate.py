@@ -167,7 +167,11 @@ def dataset(tmp_path_factory):
 # The run the tests share (and the uninterrupted run the resume test
 # compares with): two observers, so that EMA's dependence on batch order is
 # part of what "bit-identical after resume" checks.
-ARGS = ("--samples", "16", "--seq-len", "64", "--observer", "static_minmax,minmax")
+# --holdout-samples 2: 14 calibration batches, which the resume tests
+# interrupt and count (the default held-out set, a tenth and at least 8192
+# tokens, at most half, is test_calibrate_decision.py's).
+ARGS = ("--samples", "16", "--seq-len", "64", "--holdout-samples", "2", "--observer",
+        "static_minmax,minmax")
 
 
 @pytest.fixture(scope="module")
@@ -208,11 +212,9 @@ def test_every_candidate_scored_and_one_chosen(calibrated):
     best = min((c for c in r["candidates"] if not c["same_as"]), key=lambda c: c["delta_nll"])
     assert next(c for c in r["candidates"] if c["best"])["label"] == best["label"]
     assert r["why"]
-    # The default held-out set: at least calibrate_data.HOLDOUT_TOKENS tokens,
-    # at most half the windows (here half).
-    assert r["samples"]["holdout"] == 8 and r["samples"]["calibration"] == 8
-    assert r["holdout_tokens"] == 8 * 63
-    assert r["decision"]["noise"]["tokens"] == 8 * 63
+    assert r["samples"]["holdout"] == 2 and r["samples"]["calibration"] == 14
+    assert r["holdout_tokens"] == 2 * 63
+    assert r["decision"]["noise"]["tokens"] == 2 * 63 and r["decision"]["noise"]["windows"] == 2
     for stage in ("load", "tokenize", "forwards", "upload", "finalize_evaluate", "patch"):
         assert r["timings"][stage] >= 0
     # The serve line serves the recommended cache format (or the model's
