@@ -5,7 +5,7 @@ engine: `./run wheel` runs this with the tools environment .venv-wheel
     python python/build_wheel.py --build-dir build --out dist
 
 1. Stages a copy of python/ (never building inside the checkout), with the
-   repository's VERSION and proto/kvcal/v1/calibration.proto beside it, the
+   repository's VERSION, proto/kvcal/v1/calibration.proto and docs/calibrate.md (the guide the package carries) beside it, the
    build's client/kvcal and service/kvcal-worker in kvcal/bin/ (debug
    sections stripped: they are most of a RelWithDebInfo binary's size; RPATH
    $ORIGIN/../lib), the build's extension module kvcal._engine as
@@ -169,6 +169,10 @@ def stage(build_dir, staging, patchelf):
     os.makedirs(proto)
     shutil.copyfile(os.path.join(ROOT, "proto", "kvcal", "v1", "calibration.proto"),
                     os.path.join(proto, "calibration.proto"))
+    # The user's guide, which the package carries (kvcal-calibrate --help-guide).
+    os.makedirs(os.path.join(staging, "docs"))
+    shutil.copyfile(os.path.join(ROOT, "docs", "calibrate.md"),
+                    os.path.join(staging, "docs", "calibrate.md"))
     bin_dir = os.path.join(staging, "kvcal", "bin")
     lib_dir = os.path.join(staging, "kvcal", "lib")
     os.makedirs(bin_dir)
