@@ -23,7 +23,7 @@ engine: `./run wheel` runs this with the tools environment .venv-wheel
    Python 3, and only kvcal._engine (kvcal.LocalStatistics, local
    statistics) is for the one CPython the build was made with; another
    Python installs the wheel and gets an ImportError from
-   kvcal.local_statistics.load_engine() naming both versions.
+   kvcal.producer.statistics.load_engine() naming both versions.
 3. `auditwheel repair`: copies every other shared library the binaries and
    the extension need (gRPC, protobuf, Abseil, OpenSSL, c-ares, re2, ...)
    into kvcal.libs/, adds it to their RPATH (after $ORIGIN/../lib or

@@ -30,7 +30,7 @@ kvcal/lib/ into a staging copy of this directory, never into the checkout),
 they go into the wheel as package data, installed as platform files, and
 the wheel is tagged py3-none-<platform>: executables for one platform, which
 any Python 3 runs, and the statistics engine kvcal._engine for the one
-CPython it was built with (kvcal.local_statistics.load_engine() tells
+CPython it was built with (kvcal.producer.statistics.load_engine() tells
 another Python so; see build_wheel.py). Without them the wheel is pure
 Python (py3-none-any).
 """

@@ -100,7 +100,7 @@ def bare_forwards(model_dir, dataset, samples, seq_len, holdout, dtype):
     through the model without capture: (windows, seconds)."""
     import torch
     import transformers
-    from kvcal import calibrate_data as data
+    from kvcal.calibrate import data
 
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     sampled = data.make_samples(data.read_documents(dataset), tok, path=dataset, samples=samples,

@@ -350,7 +350,7 @@ def main(argv=None):
         print(f"bench_job: skipped: {WORKER_BIN} is not built (./run build; KVCAL_BUILD_DIR "
               f"picks a build)")
         return 0
-    from kvcal.local_statistics import load_engine
+    from kvcal.producer.statistics import load_engine
 
     try:
         load_engine()

@@ -9,7 +9,7 @@ channel per (layer, role), different per batch, in bf16 (or --dtype f32),
 as [1, heads, tokens, head_dim] tensors (kvcal.torch.capture's layout).
 
 In-band: the IngestRequests kvcal.Producer would send for them (its own
-chunking, kvcal.producer._cut, at --chunk-bytes, and its own request
+chunking, kvcal.producer.encoding._cut, at --chunk-bytes, and its own request
 builder), and their serialized protobuf size summed.
 
 Local statistics: the same tensors accumulated by kvcal.LocalStatistics
@@ -50,10 +50,10 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvcal  # noqa: E402
-from kvcal import producer as producer_module  # noqa: E402
+from kvcal.producer import encoding as producer_module  # noqa: E402
 from kvcal.v1 import pb  # noqa: E402
 from bench_geometries import GEOMETRIES  # noqa: E402
-from kvcal.local_statistics import largest_statistics_bytes  # noqa: E402
+from kvcal.producer.statistics import largest_statistics_bytes  # noqa: E402
 
 
 def make_tensors(rng, torch, geometry, batch, tokens, dtype):
@@ -92,7 +92,7 @@ def in_band_bytes(tensors, batch, chunk_bytes, sequence):
 
 def flush_bytes(local, n):
     """The IngestRequest a local-statistics producer sends as its n-th
-    message for what `local` holds (kvcal/local_producer.py)."""
+    message for what `local` holds (kvcal/producer/local.py)."""
     counters = local.counters
     request = pb.IngestRequest(
         session_id="bench-session", producer_id="producer-0", sequence=n,
@@ -106,7 +106,7 @@ def state_bound(geometry, bins_per_octave, batches):
     """The largest serialized statistics (formats.md "The statistics
     state") a state of `batches` batches can have: every histogram bin
     non-empty, a full tail of 256 values, one record per batch and head
-    (kvcal.local_statistics.largest_statistics_bytes)."""
+    (kvcal.producer.statistics.largest_statistics_bytes)."""
     return largest_statistics_bytes(kvcal.Geometry(*geometry), bins_per_octave, batches)
 
 

@@ -10,7 +10,7 @@ every key times A, the model's output unchanged).
 Calibrates static min-max per tensor through a CPU worker on GPL-3
 (tests/python/smollm2.py's text and model), then scores on GPL-2 +
 Apache-2.0 with K and V fake-quantized (Q and P left alone: the FlashInfer
-FA2 path, bf16 query) by kvcal.calibrate_select.score, the same code
+FA2 path, bf16 query) by kvcal.calibrate.choice.score, the same code
 kvcal-calibrate scores with:
 
 - FP8 e4m3 per tensor: scale 1.0 and kvcal's static min-max (amax / 448);
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 
 import kvcal  # noqa: E402
 import kvcal.torch  # noqa: E402
-from kvcal import calibrate_select  # noqa: E402
+from kvcal.calibrate import choice as calibrate_select  # noqa: E402
 
 
 def per_tensor(amax_k, amax_v, label):

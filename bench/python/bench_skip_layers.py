@@ -7,9 +7,9 @@
 For the original model and the large-key variant (kvcal.torch.rescale_keys
 x64, as tests/python/test_quality.py builds it): calibrates static min-max per
 tensor through a CPU worker on GPL-3 (tests/python/smollm2.py's text and
-model), scores on GPL-2 + Apache-2.0 with kvcal.calibrate_select.score (what
+model), scores on GPL-2 + Apache-2.0 with kvcal.calibrate.choice.score (what
 kvcal-calibrate scores with) for FP8 Q/K/V, FP8 K/V only and NVFP4 K/V only,
-and runs kvcal.skip_layers.advise on kvcal's scales and on scale 1.0 (kvcal-calibrate's rule: attention error
+and runs kvcal.calibrate.skip_layers.advise on kvcal's scales and on scale 1.0 (kvcal-calibrate's rule: attention error
 above 3x the median layer's, verified by re-scoring). Where the rule finds no
 outlier, the worst layer alone is re-scored unquantized anyway, to show what
 skipping it would buy. Prints one table row per (variant, format): Δ
@@ -31,7 +31,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 
 import kvcal.torch  # noqa: E402
-from kvcal import calibrate_select, skip_layers  # noqa: E402
+from kvcal.calibrate import choice as calibrate_select, skip_layers  # noqa: E402
 
 ALPHA = 64.0
 MODES = (("FP8 Q, K, V", "fp8", False), ("FP8 K, V", "fp8", True), ("NVFP4 K, V", "nvfp4", True))

@@ -3,13 +3,14 @@
 // list of strings, one word per layer: "3,17" is one string that matches no
 // layer and is ignored) keeps a layer's K, V and query in the model's dtype.
 //
-// The outlier rule kvcal-calibrate uses (python/kvcal/skip_layers.py), here
-// for the C++ tools that have per-layer attention errors but no model to
-// re-score with (`finalize --evaluate`, `kvcal report`): layers whose
-// attention error exceeds kSkipMedianFactor x the median layer's, the worst
-// first, at most kSkipMaxShare of the layers (at least one). kvcal-calibrate
-// advises them only after a held-out pass shows the loss drop; these tools
-// name them as candidates to verify.
+// The outlier rule kvcal-calibrate uses
+// (python/kvcal/calibrate/skip_layers.py), here for the C++ tools that have
+// per-layer attention errors but no model to re-score with (`finalize
+// --evaluate`, `kvcal report`): layers whose attention error exceeds
+// kSkipMedianFactor x the median layer's, the worst first, at most
+// kSkipMaxShare of the layers (at least one). kvcal-calibrate advises them only
+// after a held-out pass shows the loss drop; these tools name them as
+// candidates to verify.
 #ifndef KVCAL_CLIENT_CHECKPOINT_SKIP_LAYERS_H_
 #define KVCAL_CLIENT_CHECKPOINT_SKIP_LAYERS_H_
 

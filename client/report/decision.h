@@ -2,7 +2,7 @@
 // --decision FILE`). The decision is kvcal-calibrate's one answer (the
 // chosen scales, the cache format to serve with and its skip layers, the
 // `vllm serve` line, every candidate scored and the noise of the held-out
-// set; python/kvcal/calibrate_decision.py): the page renders it as its
+// set; python/kvcal/calibrate/decision.py): the page renders it as its
 // recommendation and applies no rule of its own, so the summary, `--json`
 // and the page cannot disagree.
 #ifndef KVCAL_CLIENT_REPORT_DECISION_H_

@@ -25,7 +25,7 @@ _LAZY = {"Client": "kvcal.client", "Geometry": "kvcal.client", "KvcalError": "kv
          "ProducerError": "kvcal.producer", "WorkerProducer": "kvcal.producer",
          "ShardedProducer": "kvcal.producer", "Scales": "kvcal.scales",
          # the statistics engine in this process (the extension kvcal._engine)
-         "LocalStatistics": "kvcal.local_statistics",
+         "LocalStatistics": "kvcal.producer.statistics",
          # kvcal-calibrate as a function (torch is imported when it runs)
          "calibrate_model": "kvcal.calibrate", "CalibrationResult": "kvcal.calibrate"}
 

@@ -44,7 +44,7 @@ def smollm2_bench_inputs():
     import argparse
 
     import smollm2
-    from kvcal.calibrate_data import Batch
+    from kvcal.calibrate.data import Batch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cal-batches", type=int, default=4)

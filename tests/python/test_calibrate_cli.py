@@ -54,7 +54,7 @@ def test_help_points_to_a_guide_that_is_there():
     # The installed package carries its own copy (what a wheel user reads).
     import kvcal.calibrate as module
 
-    path = module.guide_path()
+    path = module.cli.guide_path()
     assert path is not None and os.path.isfile(path)
 
 

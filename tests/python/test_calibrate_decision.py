@@ -1,4 +1,4 @@
-"""kvcal-calibrate's one answer (python/kvcal/calibrate_decision.py).
+"""kvcal-calibrate's one answer (python/kvcal/calibrate/decision.py).
 
 Unit checks (no model): the noise of the held-out set (the resolvable
 difference is 2 paired standard errors; the windows that would resolve a
@@ -27,8 +27,10 @@ import shutil
 import numpy as np
 import pytest
 
-from kvcal import calibrate_data, calibrate_decision as decision_mod, calibrate_select as select
-from kvcal import format_advice, skip_layers
+from kvcal.calibrate import choice as select
+from kvcal.calibrate import data as calibrate_data
+from kvcal.calibrate import decision as decision_mod
+from kvcal.calibrate import format_advice, skip_layers
 
 LICENSES = "/usr/share/common-licenses"
 
@@ -263,7 +265,7 @@ def calibrate_three_ways(model_dir, dataset, out, samples=16, seq_len=64, **opti
     result = calibrate.calibrate_model(
         model_dir, dataset, samples=samples, seq_len=seq_len, observer="static_minmax", out=out,
         quiet=True, kv_cache_formats="fp8", **options)
-    return result, calibrate.summary(result), json.loads(json.dumps(result.to_dict()))
+    return result, calibrate.cli.summary(result), json.loads(json.dumps(result.to_dict()))
 
 
 def assert_one_answer(result, text, js, out):

@@ -1,4 +1,4 @@
-"""kvcal-calibrate's run lock (python/kvcal/calibrate_lock.py): one run per
+"""kvcal-calibrate's run lock (python/kvcal/calibrate/lock.py): one run per
 output directory.
 
 - the lock file is the work directory's path + ".lock" (next to --out DIR,
@@ -30,19 +30,20 @@ import time
 
 import pytest
 
-import kvcal.calibrate_run
-from kvcal import calibrate_lock
-from kvcal.calibrate_lock import LockError, RunLocked, lock_path, run_lock
+import kvcal.calibrate.workdir
+from kvcal.calibrate import lock as calibrate_lock
+from kvcal.calibrate.lock import LockError, RunLocked, lock_path, run_lock
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(calibrate_lock.__file__)))
+# The directory that holds kvcal/ (lock.py is kvcal/calibrate/lock.py).
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(calibrate_lock.__file__))))
 LICENSES = "/usr/share/common-licenses"
 
 # A holder in a process of its own: takes the lock (or only flocks the file
 # without a record, with "bare"), says "locked", holds it until stdin closes.
 HOLDER = r"""
 import fcntl, json, os, sys
-from kvcal import calibrate_lock
+from kvcal.calibrate import lock as calibrate_lock
 directory, out, command, mode = sys.argv[1:5]
 if mode == "bare":
     fd = os.open(calibrate_lock.lock_path(directory, out or None), os.O_RDWR | os.O_CREAT, 0o644)
@@ -139,11 +140,11 @@ def model_dir(tmp_path):
 def test_lock_path_is_the_work_directory_and_lock(tmp_path):
     model = model_dir(tmp_path)
     for out in (str(tmp_path / "out"), str(tmp_path / "out") + "/", "relative/out"):
-        assert lock_path(model, out) == kvcal.calibrate_run._work_dir(model, out) + ".lock"
+        assert lock_path(model, out) == kvcal.calibrate.workdir.work_dir(model, out) + ".lock"
         assert os.path.dirname(lock_path(model, out)) == os.path.dirname(
             os.path.abspath(out.rstrip("/")))
     assert lock_path(model, out=None) == os.path.join(model, ".kvcal-calibrate.lock")
-    assert lock_path(model, None) == kvcal.calibrate_run._work_dir(model, None) + ".lock"
+    assert lock_path(model, None) == kvcal.calibrate.workdir.work_dir(model, None) + ".lock"
     assert issubclass(RunLocked, LockError) and issubclass(RunLocked, RuntimeError)
 
 
@@ -221,7 +222,7 @@ def test_a_second_process_is_refused_naming_the_holder(tmp_path, holders):
     assert "\n" not in message
     # ... and in a third process, the way a second kvcal-calibrate meets it.
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys\nfrom kvcal import calibrate_lock as L\n"
+        [sys.executable, "-c", "import sys\nfrom kvcal.calibrate import lock as L\n"
          "try:\n    L.run_lock(sys.argv[1], sys.argv[2])\nexcept L.RunLocked as e:\n"
          "    print(e)\n    sys.exit(3)\n", model, out],
         capture_output=True, text=True, env=child_env(), timeout=60)

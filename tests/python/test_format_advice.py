@@ -1,9 +1,9 @@
-"""kvcal.format_advice: which KV cache format keeps a model within a stated
+"""kvcal.calibrate.format_advice: which KV cache format keeps a model within a stated
 tolerance, on the tiny scaled Llama of test_skip_layers.py (no outlier).
 
 Checked: FP8's figures are the ones the FP8 scoring already measured; NVFP4
 is scored with per-tensor scales on the same held-out windows (its Δ equals
-an independent kvcal.evaluate-based score of the same scales) and with scale
+an independent kvcal.torch.evaluation-based score of the same scales) and with scale
 1.0 beside it; NVFP4's error is larger than FP8's on this model; the
 recommendation follows the rule (cheapest within the tolerance, none when
 none is) at tolerances chosen from the measured figures; the cache-bytes
@@ -14,10 +14,11 @@ import math
 import numpy as np
 import pytest
 
-from kvcal import calibrate_run
-from kvcal import calibrate_select as select
-from kvcal import format_advice
-from kvcal import skip_layers
+from kvcal.calibrate import errors as calibrate_errors
+from kvcal.calibrate import options as calibrate_options
+from kvcal.calibrate import choice as select
+from kvcal.calibrate import format_advice
+from kvcal.calibrate import skip_layers
 from test_skip_layers import model_with, static_scales, windows
 
 
@@ -84,7 +85,7 @@ def test_recommendation_follows_the_rule():
     none = format_advice.FormatAdvice(tolerance=0.001, figures=figures)
     assert none.kv_cache_dtype == "auto"
     # kvcal-calibrate names the 16-bit dtype (a patched checkpoint turns
-    # `auto` into FP8): calibrate_decision passes it in.
+    # `auto` into FP8): kvcal.calibrate.decision passes it in.
     assert "keep the KV cache in 16 bits (--kv-cache-dtype bfloat16)" in "\n".join(
         none.describe("bfloat16"))
     assert none.to_dict("bfloat16")["recommended"] == "bfloat16"
@@ -126,8 +127,8 @@ def test_per_head_choice_scores_nvfp4_with_a_per_tensor_candidate(measured):
     ("fp8", math.nan, "--tolerance"),
 ])
 def test_bad_arguments_are_refused(spec, tolerance, needle):
-    with pytest.raises(calibrate_run.UsageError, match=needle.replace("'", ".")):
-        calibrate_run._check_formats(spec, tolerance)
+    with pytest.raises(calibrate_errors.UsageError, match=needle.replace("'", ".")):
+        calibrate_options.check_formats(spec, tolerance)
 
 
 def test_parse_keeps_order_and_drops_repeats():

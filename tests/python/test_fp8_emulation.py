@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import BUILD  # noqa: E402
-from kvcal.evaluate import MIN_NORMAL, SATURATED, _attention, fake_quantize
+from kvcal.torch.evaluation import MIN_NORMAL, SATURATED, _attention, fake_quantize
 
 TOOL = os.path.join(BUILD, "tests", "kernels", "kvcal_fp8_tool")
 

@@ -35,7 +35,7 @@ import pytest
 
 import kvcal
 from kvcal.client import KvcalError  # noqa: F401
-from kvcal.local_statistics import largest_statistics_bytes
+from kvcal.producer.statistics import largest_statistics_bytes
 from kvcal.v1 import pb
 
 torch = pytest.importorskip("torch")
@@ -396,7 +396,7 @@ def test_cuda_tensors_on_a_cuda_local_backend(worker):
     """local_backend="cuda": torch CUDA tensors accumulated in place on the
     GPU give the scales of the same tensors sent in-band from host memory.
     Needs a CUDA device and a CUDA build of kvcal._engine."""
-    from kvcal.local_statistics import load_engine
+    from kvcal.producer.statistics import load_engine
 
     if not torch.cuda.is_available() or load_engine().cuda_device_count() == 0:
         pytest.skip("no CUDA device (or kvcal._engine built without CUDA)")

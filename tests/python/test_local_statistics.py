@@ -217,7 +217,7 @@ def test_cuda_tensors_in_place_equal_cpu():
     """backend="cuda": torch CUDA tensors read in place on their device (after
     the current stream's work) give the CPU engine's statistics but for the
     sums. Skips without a CUDA device (never run so far: no GPU was lent)."""
-    from kvcal.local_statistics import load_engine
+    from kvcal.producer.statistics import load_engine
 
     if not torch.cuda.is_available() or load_engine().cuda_device_count() == 0:
         pytest.skip("no CUDA device")
@@ -279,7 +279,7 @@ def test_refusals_change_nothing(worker):
 
 
 def test_engine_not_found_is_explained(monkeypatch, tmp_path):
-    from kvcal import local_statistics
+    from kvcal.producer import statistics as local_statistics
 
     monkeypatch.setattr(local_statistics, "_engine_module", None)
     monkeypatch.setenv("KVCAL_BUILD_DIR", str(tmp_path))
@@ -290,7 +290,7 @@ def test_engine_not_found_is_explained(monkeypatch, tmp_path):
 
 
 def test_backend_choice():
-    from kvcal.local_statistics import load_engine
+    from kvcal.producer.statistics import load_engine
 
     geometry = kvcal.Geometry(**GEOMETRY)
     with pytest.raises(ValueError, match="unknown backend 'gpu': use auto, cpu or cuda"):

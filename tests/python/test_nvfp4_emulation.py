@@ -1,4 +1,4 @@
-"""kvcal.evaluate's NVFP4 KV cache emulation (nvfp4_fake_quantize, the
+"""kvcal.torch.evaluation's NVFP4 KV cache emulation (nvfp4_fake_quantize, the
 torch side of kernels/nvfp4.h) against a numpy reference written here in
 another form: E2M1 by enumerating its eight magnitudes (nearest, ties to the
 even code), E4M3 by a table of its finite values (nearest, ties to the even
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from conftest import BUILD  # noqa: E402
 
 import kvcal.torch  # noqa: E402
-from kvcal.evaluate import (e2m1_round, nvfp4_fake_quantize,  # noqa: E402
+from kvcal.torch.evaluation import (e2m1_round, nvfp4_fake_quantize,  # noqa: E402
                             reciprocal_approximate_ftz)
 from tiny_llama import tiny_llama  # noqa: E402
 
@@ -301,8 +301,8 @@ def test_evaluate_with_an_nvfp4_cache():
 def test_calibrate_select_scores_an_nvfp4_cache():
     from types import SimpleNamespace
 
-    from kvcal import calibrate_select
-    from kvcal.calibrate_data import Batch
+    from kvcal.calibrate import choice as calibrate_select
+    from kvcal.calibrate.data import Batch
 
     model = tiny_llama(num_kv_heads=2)
     g = torch.Generator().manual_seed(1)

@@ -217,10 +217,10 @@ def test_sender_sleeps_without_a_timer_and_close_wakes_it(worker, monkeypatch):
     """The sender waits on the producer's condition without a timeout (no
     periodic polling), so put() and acknowledgements must wake it; close()
     wakes it to half-close the stream, and the producer's thread ends."""
-    import kvcal.producer
+    import kvcal.producer.streaming
 
-    # The producer module's threading, with the recording Condition.
-    monkeypatch.setattr(kvcal.producer, "threading",
+    # The streaming producer's threading, with the recording Condition.
+    monkeypatch.setattr(kvcal.producer.streaming, "threading",
                         types.SimpleNamespace(**{**vars(threading),
                                                  "Condition": _RecordingCondition}))
     _RecordingCondition.waits = []

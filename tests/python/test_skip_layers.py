@@ -1,4 +1,4 @@
-"""kvcal.skip_layers: which layers to keep out of the quantized KV cache
+"""kvcal.calibrate.skip_layers: which layers to keep out of the quantized KV cache
 (vLLM 0.34's --kv-cache-dtype-skip-layers), on tiny random Llamas.
 
 The model: 4 layers, its lm_head x30 and every o_proj x10 (a random model's
@@ -31,9 +31,9 @@ import torch
 
 import kvcal
 import kvcal.torch
-from kvcal import calibrate_select as select
-from kvcal import skip_layers
-from kvcal.calibrate_data import Batch
+from kvcal.calibrate import choice as select
+from kvcal.calibrate import skip_layers
+from kvcal.calibrate.data import Batch
 from tiny_llama import tiny_llama
 
 LAYERS = 4
@@ -118,7 +118,7 @@ def test_outlier_layer_is_advised_and_skipping_it_helps(kv_format, kv_only):
     assert advice.argument in text and "exceeds 3 x the median" in text
     # kvcal-calibrate's `vllm serve` line ends with it (the option takes
     # every following word), and its note gives the cost.
-    from kvcal import calibrate_decision
+    from kvcal.calibrate import decision as calibrate_decision
 
     serve = calibrate_decision.serve_line("/m", cand, "compressed-tensors", None, advice,
                                           "bfloat16")
@@ -140,7 +140,7 @@ def test_outlier_layer_is_advised_and_skipping_it_helps(kv_format, kv_only):
         skip=advice, formats=None, platform="per tensor", decision=decision,
         patch=SimpleNamespace(describe=lambda: "patched"),
         inspect={}, report=None, serve=serve, timings={}, warnings=[])
-    text = calibrate.summary(result)
+    text = calibrate.cli.summary(result)
     assert advice.describe()[0] in text and advice.describe()[1] in text
     assert serve["command"] in text
     # The candidate's own figures are untouched by the extra pass.
@@ -160,7 +160,7 @@ def test_no_outlier_no_advice():
         assert not advice.gain > select.Z * advice.gain_se
     per_layer = cand.evaluation.attention_error.mean(axis=1)
     assert advice.layer_error == pytest.approx(per_layer.tolist())
-    from kvcal import calibrate_decision
+    from kvcal.calibrate import decision as calibrate_decision
 
     serve = calibrate_decision.serve_line("/m", cand, "compressed-tensors", None, advice,
                                           "bfloat16")

@@ -31,9 +31,9 @@ import smollm2
 smollm2.require()
 
 import kvcal  # noqa: E402
-from kvcal import calibrate_select as select  # noqa: E402
-from kvcal import skip_layers  # noqa: E402
-from kvcal.calibrate_data import Batch  # noqa: E402
+from kvcal.calibrate import choice as select  # noqa: E402
+from kvcal.calibrate import skip_layers  # noqa: E402
+from kvcal.calibrate.data import Batch  # noqa: E402
 
 LAYER = 7
 BIAS = 3000.0

@@ -17,7 +17,7 @@ import torch
 import kvcal
 import kvcal.torch
 import smollm2
-from kvcal.evaluate import _attention, fake_quantize
+from kvcal.torch.evaluation import _attention, fake_quantize
 from tiny_llama import record_rotary_and_v
 
 smollm2.require()

@@ -1,4 +1,4 @@
-"""kvcal.local_statistics.largest_statistics_bytes, the format's largest
+"""kvcal.producer.statistics.largest_statistics_bytes, the format's largest
 state (what a local-statistics producer checks its message limit against
 and the benchmarks' projections use as their upper end): exactly the
 serialized size of a state whose heads have a value in every histogram bin
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvcal
-from kvcal.local_statistics import largest_statistics_bytes
+from kvcal.producer.statistics import largest_statistics_bytes
 
 
 def every_bin(histograms):

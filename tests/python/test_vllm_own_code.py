@@ -531,14 +531,14 @@ def assert_no_scale_warnings(loaded):
 
 
 def test_skip_layers_argument_keeps_those_layers_unquantized(vllm, kvcal_cli, tmp_path):
-    """kvcal-calibrate's skip-layer advice (kvcal.skip_layers.argument) as
+    """kvcal-calibrate's skip-layer advice (kvcal.calibrate.skip_layers.argument) as
     vLLM 0.34 reads it: its own parser gives the layer list, and
     Attention.__init__ (extract_layer_index of the layer's prefix) keeps
     exactly those layers' cache in the model dtype ("auto") while the
     others take the checkpoint's FP8 cache with kvcal's scales."""
     import shlex
 
-    from kvcal import skip_layers
+    from kvcal.calibrate import skip_layers
 
     line = skip_layers.argument([1])
     assert line == "--kv-cache-dtype-skip-layers 1"

@@ -200,7 +200,7 @@ def test_local_statistics_from_the_fresh_environment(fresh, wheel):
     assert "KVCAL_BUILD_DIR" not in fresh["env"]
     code = (
         "import json, numpy as np, kvcal\n"
-        "from kvcal import local_statistics\n"
+        "from kvcal.producer import statistics as local_statistics\n"
         "local = kvcal.LocalStatistics({'num_layers': 2, 'num_attention_heads': 4,\n"
         "  'num_key_value_heads': 2, 'head_dim': 8})\n"
         "rng = np.random.default_rng(0)\n"
@@ -234,7 +234,7 @@ def test_engine_for_another_python_says_so(fresh, wheel, tmp_path):
     os.symlink(os.path.join(site, wheel["engine"]["file"]),
                copy / "_engine.cpython-399-x86_64-linux-gnu.so")
     code = ("import kvcal\n"
-            "from kvcal import local_statistics\n"
+            "from kvcal.producer import statistics as local_statistics\n"
             "assert kvcal.__file__.startswith(%r), kvcal.__file__\n"
             "try:\n"
             "    local_statistics.load_engine()\n"

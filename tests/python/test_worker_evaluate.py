@@ -1,5 +1,5 @@
 """Finalize `evaluate` and the `auto` observer on held-out batches, through a
-real worker, against the Python-side definitions (kvcal.evaluate's
+real worker, against the Python-side definitions (kvcal.torch.evaluation's
 fake_quantize and eager attention) on the same held-out data.
 
 The generated model: 2 layers, 4 query heads, 2 KV heads, head_dim 16,
@@ -17,7 +17,7 @@ import torch
 import kvcal
 from kvcal.v1 import pb
 from kvcal.client import OBSERVERS, KvcalError
-from kvcal.evaluate import MIN_NORMAL, SATURATED, _attention, fake_quantize
+from kvcal.torch.evaluation import MIN_NORMAL, SATURATED, _attention, fake_quantize
 
 H, KV, D, TOKENS, SEQS = 4, 2, 16, 128, 2
 GEOMETRY = dict(num_layers=2, num_attention_heads=H, num_key_value_heads=KV, head_dim=D)
@@ -70,7 +70,7 @@ def expand(scales, heads, q):
 
 
 def python_evaluation(layer_scales, layer, kv_only):
-    """kvcal.evaluate's definitions over the held-out sequences of a layer."""
+    """kvcal.torch.evaluation's definitions over the held-out sequences of a layer."""
     qs = expand(layer_scales.q.scale, H, True)
     ks = expand(layer_scales.k.scale, KV, False)
     vs = expand(layer_scales.v.scale, KV, False)
@@ -189,8 +189,8 @@ def test_cli_finalize_evaluate_prints_the_table_and_json(session, worker, kvcal_
         [row.error for row in want.layers], rel=1e-12)
     assert j["evaluation"]["sequences"] == 4
     # Skip-layer candidates: kvcal-calibrate's outlier rule on the layers'
-    # errors (python/kvcal/skip_layers.py outliers), in the JSON and a line.
-    from kvcal.skip_layers import argument, outliers
+    # errors (python/kvcal/calibrate/skip_layers.py outliers), in the JSON and a line.
+    from kvcal.calibrate.skip_layers import argument, outliers
 
     errors = [row.error for row in want.layers]
     assert j["evaluation"]["skip_layer_candidates"] == sorted(outliers(errors))

@@ -51,7 +51,7 @@ import numpy as np
 
 from kvcal import _args, names
 from kvcal.client import DEFAULT_HISTOGRAMS, Client, Geometry
-from kvcal.producer import wire_dtype
+from kvcal.producer.encoding import wire_dtype
 from kvcal.v1 import pb
 
 log = logging.getLogger("kvcal")
@@ -60,7 +60,8 @@ _ROLES = names.wire_numbers("Role")
 _LAYOUTS = names.wire_numbers("Layout")
 _ROLE_BITS = {pb.ROLE_Q: 1, pb.ROLE_K: 2, pb.ROLE_V: 4}
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# kvcal/ (this file is kvcal/producer/statistics.py), where a wheel carries _engine.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _REPO_ROOT = os.path.dirname(os.path.dirname(_PACKAGE_DIR))
 # Where a CMake build puts the module (relative to the build directory).
 _BUILD_SUBDIR = os.path.join("python", "ext")

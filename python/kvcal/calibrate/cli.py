@@ -8,16 +8,16 @@ that vLLM 0.34 loads with calibrated FP8 KV-cache (and query) scales.
 What it does (docs/calibrate.md is the user's guide; `--help-guide` prints it):
 1. loads the model and tokenizer with transformers (a local directory, a
    GGUF file with --gguf-file, or a hub name where the hub is reachable);
-2. reads the dataset (calibrate_data.py), shuffles it with --seed, packs it
+2. reads the dataset (data.py), shuffles it with --seed, packs it
    into --samples windows of --seq-len tokens and holds back
    --holdout-samples of them (default: a tenth, and at least
-   calibrate_data.HOLDOUT_TOKENS tokens, at most half);
+   data.HOLDOUT_TOKENS tokens, at most half);
 3. runs the calibration samples through the model under
    kvcal.torch.capture, streaming post-RoPE Q, K and V to a kvcal worker:
-   an embedded one (calibrate_worker.py) or --server workers;
+   an embedded one (worker.py) or --server workers;
 4. finalizes every candidate setting and scores each on the held-out
    samples by the model's own loss with Q/K/V fake-quantized
-   (calibrate_select.py), against scale 1.0 and llm-compressor's default;
+   (choice.py), against scale 1.0 and llm-compressor's default;
    for the chosen one, which layers to leave unquantized (skip_layers.py:
    --kv-cache-dtype-skip-layers, verified by one more held-out pass); the
    other KV cache formats asked for (--kv-cache-formats, NVFP4 by default)
@@ -25,7 +25,7 @@ What it does (docs/calibrate.md is the user's guide; `--help-guide` prints it):
    (format_advice.py);
 5. patches the checkpoint (`kvcal patch`), checks it (`kvcal inspect`),
    writes the HTML report (`kvcal report`) and prints the `vllm serve` line
-   (calibrate_output.py).
+   (output.py).
 
 Resume: the embedded worker keeps its state in a durable state dir under
 the work directory (MODEL/.kvcal-calibrate/ in place, OUT.kvcal-calibrate/
@@ -46,16 +46,16 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from kvcal import calibrate_data as data
-from kvcal import calibrate_output as output
-from kvcal import calibrate_select as select
-from kvcal import format_advice
-from kvcal.calibrate_run import (ASSUME_BACKENDS, PROG, TARGETS,  # noqa: F401
-                                 CalibrateError, CalibrationResult, Interrupted,
-                                 UsageError, _inspect_summary, calibrate_model)
-from kvcal.calibrate_worker import WorkerError
+from kvcal.calibrate import choice, data, format_advice, output
+from kvcal.calibrate.backends import ASSUME_BACKENDS
+from kvcal.calibrate.errors import CalibrateError, Interrupted, UsageError
+from kvcal.calibrate.options import DTYPES, GRANULARITIES, PACKINGS, TARGETS, Options
+from kvcal.calibrate.result import CalibrationResult, inspect_summary
+from kvcal.calibrate.run import calibrate_model
+from kvcal.calibrate.ui import PROG
+from kvcal.calibrate.worker import WorkerError
 
-__all__ = ["calibrate_model", "CalibrationResult", "CalibrateError", "UsageError", "main"]
+__all__ = ["main", "summary"]
 
 
 # -- command line ----------------------------------------------------------------
@@ -76,7 +76,7 @@ def summary(result: CalibrationResult) -> str:
             continue
         lines.append(f" {mark} {cand.label:<42} {cand.delta:+.4f} ± {cand.se:.4f}   "
                      f"{100 * cand.attention_error:5.2f}%")
-    lines.append(f"   ({select.LLMC_DEFAULT}: {select.LLMC_RECIPE})")
+    lines.append(f"   ({choice.LLMC_DEFAULT}: {choice.LLMC_RECIPE})")
     lines.append(f"chosen: {c.label}, because {result.why}")
     if c.observer is None:
         lines.append("  the checkpoint gets explicit scales of 1.0: what vLLM uses without scales, "
@@ -95,7 +95,7 @@ def summary(result: CalibrationResult) -> str:
                      f"--kv-cache-dtype {d.kv_cache_dtype} was scored with")
     lines.append(f"granularity: {result.platform}")
     lines.append(result.patch.describe())
-    v = _inspect_summary(result.inspect)
+    v = inspect_summary(result.inspect)
     lines.append(f"kvcal inspect (--kv-cache-dtype {d.inspect_dtype}"
                  f"{'' if d.inspect_dtype == d.kv_cache_dtype else ', the FP8 line below'}): "
                  f"vLLM 0.34 starts: "
@@ -128,9 +128,9 @@ class _Parser(argparse.ArgumentParser):
 def guide_path() -> Optional[str]:
     """The user's guide (docs/calibrate.md): the copy the package carries
     (setup.py puts it in kvcal/guide/), else the checkout's."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in (os.path.join(here, "guide", "calibrate.md"),
-                 os.path.join(here, "..", "..", "docs", "calibrate.md")):
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kvcal/
+    for path in (os.path.join(package, "guide", "calibrate.md"),
+                 os.path.join(package, "..", "..", "docs", "calibrate.md")):
         if os.path.isfile(path):
             return os.path.abspath(path)
     return None
@@ -142,7 +142,7 @@ def version_line() -> str:
     import subprocess
 
     import kvcal
-    from kvcal.calibrate_worker import WorkerError, find_binary
+    from kvcal.calibrate.worker import WorkerError, find_binary
 
     line = f"{PROG} {kvcal.__version__}"
     try:
@@ -194,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--holdout-samples", type=int, default=None,
                    help="samples held out to choose the setting on (default: a tenth of them, "
                         f"and at least {data.HOLDOUT_TOKENS} tokens' worth, at most half)")
-    p.add_argument("--packing", choices=("pack", "truncate"), default="pack",
+    p.add_argument("--packing", choices=PACKINGS, default="pack",
                    help="pack documents into full windows (default) or one sample per document")
     p.add_argument("--server", action="append", metavar="ADDR",
                    help="remote kvcal worker(s) (host:port, a,b, dns:///..., file:...); "
@@ -204,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--observer", default="auto",
                    help="auto (every observer) or a comma list of static_minmax, minmax, "
                         "memoryless_minmax, mse, percentile")
-    p.add_argument("--granularity", default="auto", choices=("auto", "tensor", "head"),
+    p.add_argument("--granularity", default="auto", choices=GRANULARITIES,
                    help="auto: per tensor, and per head too where FlashAttention 3 runs (this "
                         "machine's GPU is Hopper or newer, or --assume-backend fa3)")
     p.add_argument("--assume-backend", default="auto", choices=ASSUME_BACKENDS,
@@ -215,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-only", action="store_true",
                    help="score K and V only (your vLLM backend keeps the query in 16 bits)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
     p.add_argument("--session", help="session id (default: derived from the data)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run")
@@ -256,19 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        result = calibrate_model(
-            args.model, args.dataset, samples=args.samples, seq_len=args.seq_len,
-            batch_size=args.batch_size, holdout_samples=args.holdout_samples,
-            server=args.server, out=args.out, observer=args.observer,
-            granularity=args.granularity, target=args.target, kv_only=args.kv_only,
-            device=args.device, dtype=args.dtype, seed=args.seed, session=args.session,
-            resume=args.resume, report=args.report, gguf_file=args.gguf_file,
-            lock_timeout=args.lock_timeout, packing=args.packing,
-            auth_token_file=args.auth_token_file, keep_session=args.keep_session,
-            scales_dir=args.scales_dir, quiet=args.json,
-            kv_cache_formats=args.kv_cache_formats, tolerance=args.tolerance,
-            local_statistics=args.local_statistics, flush_batches=args.flush_batches,
-            assume_backend=args.assume_backend)
+        result = calibrate_model(args.model, args.dataset, **_options(args))
     except UsageError as e:
         return _fail(args, str(e), 2)
     except (CalibrateError, data.DataError, WorkerError, output.OutputError) as e:
@@ -292,6 +280,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print(summary(result))
     return 0
+
+
+def _options(args) -> dict:
+    """calibrate_model's options from the parsed flags (each flag is the
+    Options field of its name; --json is quiet)."""
+    fields = {f for f in Options.__dataclass_fields__ if f != "quiet"}
+    return dict({f: getattr(args, f) for f in fields}, quiet=args.json)
 
 
 def _fail(args, message: str, code: int) -> int:

@@ -9,19 +9,19 @@ lock file that names the output:
   directory DIR.kvcal-calibrate), in DIR's parent;
 - in place:     MODEL/.kvcal-calibrate.lock, next to MODEL/.kvcal-calibrate.
 
-That is lock_path(directory, out): the work directory's path (calibrate_run
-._work_dir) + ".lock". Not inside the work directory, which is made only
+That is lock_path(directory, out): the work directory's path
+(workdir.work_dir) + ".lock". Not inside the work directory, which is made only
 after the tokenizing and removed at the end of a run, and not
 MODEL/.kvcal-patch/kvcal.lock, the checkpoint lock that the run's own
 `kvcal patch` takes (client/checkpoint/checkpoint_lock.h).
 
-    lock = calibrate_lock.run_lock(directory, out)   # RunLocked, LockError
+    lock = lock.run_lock(directory, out)   # RunLocked, LockError
     try:
         ...                                          # the whole run
     finally:
         lock.release()
 
-or `with calibrate_lock.run_lock(directory, out): ...`.
+or `with lock.run_lock(directory, out): ...`.
 
 API:
 - lock_path(directory, out) -> str: the lock file of a run on MODEL
@@ -98,7 +98,7 @@ class RunLocked(LockError):
 
 def lock_path(directory: str, out: Optional[str]) -> str:
     """The lock file of a run on MODEL `directory` into `out` (None: in
-    place); calibrate_run._work_dir(directory, out) + ".lock"."""
+    place); workdir.work_dir(directory, out) + ".lock"."""
     if out:
         return os.path.abspath(out).rstrip("/") + OUT_SUFFIX
     return os.path.join(directory, IN_PLACE_NAME)

@@ -3,7 +3,7 @@
 kvcal-calibrate scores its FP8 candidates on held-out windows; this module
 scores the same held-out windows once more for each other cache format asked
 for (vLLM 0.34's ``nvfp4`` and ``nvfp4_4over6``, emulated bit for bit by
-kvcal.evaluate), with the skip-layer advice of kvcal/skip_layers.py for each,
+kvcal.torch.evaluation), with the skip-layer advice of kvcal/calibrate/skip_layers.py for each,
 and recommends a format.
 
 The rule (recommend):
@@ -33,8 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from kvcal import calibrate_select as select
-from kvcal import skip_layers
+from kvcal.calibrate import choice, skip_layers
 
 FORMATS = ("fp8", "nvfp4", "nvfp4_4over6")
 DEFAULT_TOLERANCE = 0.02  # nats/token: about 2% perplexity
@@ -51,7 +50,7 @@ class FormatFigure:
     skip: Optional[skip_layers.SkipAdvice] = None
     ones_delta: float = math.nan       # Δ with global scale 1.0 (NVFP4), for comparison
     evaluation: Optional[object] = None  # kvcal.torch.Evaluation (formats other than FP8)
-    candidate: Optional[object] = None   # the calibrate_select.Candidate whose scales it used
+    candidate: Optional[object] = None   # the choice.Candidate whose scales it used
 
     @property
     def best_delta(self) -> float:
@@ -98,7 +97,7 @@ class FormatAdvice:
 
     def describe(self, sixteen_bit: str = "auto") -> List[str]:
         """The summary's lines; `sixteen_bit`: the --kv-cache-dtype that keeps
-        the cache unquantized (calibrate_decision names the model's dtype:
+        the cache unquantized (decision.py names the model's dtype:
         a patched checkpoint makes `auto` FP8)."""
         lines = [f"cache format (tolerance Δ ≤ {self.tolerance:g} nats/token on held-out):"]
         for f in self.figures:
@@ -156,7 +155,7 @@ def parse_formats(spec: str) -> List[str]:
     return out
 
 
-def _per_tensor(chosen: select.Candidate, candidates: Sequence[select.Candidate]):
+def _per_tensor(chosen: choice.Candidate, candidates: Sequence[choice.Candidate]):
     """The candidate NVFP4 is scored with (see the module's docstring)."""
     if chosen.granularity in ("tensor", "one"):
         return chosen
@@ -167,8 +166,8 @@ def _per_tensor(chosen: select.Candidate, candidates: Sequence[select.Candidate]
     return min(pool, key=lambda c: c.delta) if pool else None
 
 
-def compare(model, batches: list, chosen: select.Candidate,
-            candidates: Sequence[select.Candidate], scored: dict,
+def compare(model, batches: list, chosen: choice.Candidate,
+            candidates: Sequence[choice.Candidate], scored: dict,
             fp8_skip: Optional[skip_layers.SkipAdvice], formats: Sequence[str],
             tolerance: float = DEFAULT_TOLERANCE, progress=None) -> FormatAdvice:
     """Every format in `formats` scored on the held-out `batches` (FP8 from
@@ -189,7 +188,7 @@ def compare(model, batches: list, chosen: select.Candidate,
         if c.observer is None or ones is None:
             ones = None
         run = [c] if ones is None else [ones, c]
-        select.score(model, batches, run, kv_format=fmt, reference=scored)
+        choice.score(model, batches, run, kv_format=fmt, reference=scored)
         skip = skip_layers.advise(model, batches, c, scored["reference"], scored["blocks"],
                                   kv_format=fmt)
         if progress:
@@ -201,13 +200,13 @@ def compare(model, batches: list, chosen: select.Candidate,
     return advice
 
 
-def _fresh(c: select.Candidate) -> select.Candidate:
+def _fresh(c: choice.Candidate) -> choice.Candidate:
     """A copy of `c` with nothing scored (score() fills the copy)."""
     return dataclasses.replace(c, same_as=None, evaluation=None, nll=None, delta=math.nan,
                                se=math.nan, chosen=False, best=False)
 
 
-def _mean_error(c: select.Candidate) -> float:
+def _mean_error(c: choice.Candidate) -> float:
     import numpy as np
 
     if c.evaluation is None:

@@ -29,8 +29,8 @@ from typing import Callable, Optional, Set
 import numpy as np
 
 from kvcal.client import Client
-from kvcal.local_statistics import LocalStatistics, largest_statistics_bytes
-from kvcal.producer import ProducerError
+from kvcal.producer.statistics import LocalStatistics, largest_statistics_bytes
+from kvcal.producer.base import ProducerError
 from kvcal.v1 import pb
 
 log = logging.getLogger("kvcal")

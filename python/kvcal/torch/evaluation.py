@@ -62,12 +62,12 @@ import contextlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, Optional
 
 import numpy as np
 import torch
 
-from ._output import write_output_file
+from .._output import write_output_file
 
 QMAX = 448.0
 MIN_NORMAL = 2.0 ** -6  # e4m3fn's smallest normal
@@ -158,16 +158,16 @@ def nvfp4_fake_quantize(x: torch.Tensor, scale, four_over_six: bool = False,
     the block scale (float), whether it saturated and whether 4over6 chose
     max/4."""
     if x.shape[-1] % NVFP4_BLOCK:
-        raise ValueError(f"kvcal.evaluate: NVFP4 needs a last dimension divisible by 16 "
+        raise ValueError(f"kvcal.torch.evaluation: NVFP4 needs a last dimension divisible by 16 "
                          f"(vLLM requires head_size % 16 == 0), got {x.shape[-1]}")
     k_scale = torch.as_tensor(scale, dtype=torch.float32).reshape(-1)
     if k_scale.numel() != 1:
-        raise ValueError("kvcal.evaluate: NVFP4 takes one checkpoint scale per tensor, got "
+        raise ValueError("kvcal.torch.evaluation: NVFP4 takes one checkpoint scale per tensor, got "
                          f"{k_scale.numel()}")
     k_scale = k_scale[0].to(x.device)
     gs = 1.0 / k_scale
     if not (math.isfinite(float(k_scale)) and float(k_scale) > 0 and math.isfinite(float(gs))):
-        raise ValueError(f"kvcal.evaluate: NVFP4 checkpoint scale {float(k_scale)} is not finite "
+        raise ValueError(f"kvcal.torch.evaluation: NVFP4 checkpoint scale {float(k_scale)} is not finite "
                          "and > 0 with a finite reciprocal")
     b = x.float().reshape(-1, NVFP4_BLOCK)
     vmax = b.abs().nan_to_num(nan=0.0, posinf=math.inf).amax(dim=1)
@@ -202,7 +202,7 @@ def _head_scales(scales, layer: int, role: str, heads: int, kv_heads: int,
     elif role == "q" and q_per_kv_group and heads != kv_heads:
         s = s.view(kv_heads, -1).amax(dim=1).repeat_interleave(heads // kv_heads)
     if s.numel() != heads:
-        raise ValueError(f"kvcal.evaluate: {name} has {s.numel()} values, the layer {heads} heads")
+        raise ValueError(f"kvcal.torch.evaluation: {name} has {s.numel()} values, the layer {heads} heads")
     return s.reshape(1, heads, 1, 1).clone()
 
 
@@ -319,7 +319,7 @@ class _Quantizer:
         from kvcal.client import check_attention
 
         if kv_format not in KV_FORMATS:
-            raise ValueError(f"kvcal.evaluate: kv_format {kv_format!r} is not one of "
+            raise ValueError(f"kvcal.torch.evaluation: kv_format {kv_format!r} is not one of "
                              f"{', '.join(KV_FORMATS)}")
         self.kv_format = kv_format
 
@@ -338,7 +338,7 @@ class _Quantizer:
             for (layer, role), sc in self.scales.items():
                 if role != "q" and sc is not None and bool((sc != sc.reshape(-1)[0]).any()):
                     raise ValueError(
-                        f"kvcal.evaluate: {kv_format} takes one {role}_scale per layer (vLLM "
+                        f"kvcal.torch.evaluation: {kv_format} takes one {role}_scale per layer (vLLM "
                         f"0.34's NVFP4 store kernel reads a single value); layer {layer} has "
                         "different scales per head")
         self.kv_only = kv_only
@@ -494,11 +494,11 @@ def evaluate(model, scales, batches: Iterable, *, kv_only: bool = False,
     and V (module docs)."""
     batches = list(batches)
     if kv_format not in KV_FORMATS:
-        raise ValueError(f"kvcal.evaluate: kv_format {kv_format!r} is not one of "
+        raise ValueError(f"kvcal.torch.evaluation: kv_format {kv_format!r} is not one of "
                          f"{', '.join(KV_FORMATS)}")
     if ones is not None and (ones.kv_only, ones.quantize_probs, ones.kv_format) != (
             kv_only, quantize_probs, kv_format):
-        raise ValueError(f"kvcal.evaluate: `ones` was measured with kv_only={ones.kv_only}, "
+        raise ValueError(f"kvcal.torch.evaluation: `ones` was measured with kv_only={ones.kv_only}, "
                          f"quantize_probs={ones.quantize_probs}, kv_format={ones.kv_format}; "
                          f"this run has kv_only={kv_only}, quantize_probs={quantize_probs}, "
                          f"kv_format={kv_format}")

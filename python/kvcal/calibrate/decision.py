@@ -1,7 +1,7 @@
 """kvcal-calibrate's one answer: the Decision every output renders.
 
 A run of kvcal-calibrate ends with one Decision: the FP8 scales chosen
-(calibrate_select.choose), the KV cache format to serve with and its skip
+(choice.choose), the KV cache format to serve with and its skip
 layers (format_advice.recommend), the `vllm serve` line for exactly that
 format, and the evidence: every candidate scored, why the choice, and how
 much the held-out set can tell apart (Noise). The summary, `--json`, the
@@ -23,7 +23,7 @@ The cache format decides the serve line:
   follows on its own line for users who accept it.
 
 Noise: the held-out set resolves differences of Z standard errors of the
-paired per-token difference (calibrate_select.mean_se over blocks of 32
+paired per-token difference (choice.mean_se over blocks of 32
 tokens) between scale 1.0 and the best calibrated candidate. When that is
 larger than the tolerance, or than the best candidate's gain over scale 1.0,
 the summary says so with the held-out windows that would resolve it: the
@@ -36,9 +36,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from kvcal import calibrate_select as select
-from kvcal import format_advice
-from kvcal import skip_layers
+from kvcal.calibrate import choice, format_advice, output, skip_layers
 
 # The model dtypes vLLM names as a --kv-cache-dtype (vllm/config/cache.py
 # CacheDType); a float32 model's 16-bit cache is bfloat16.
@@ -69,7 +67,7 @@ class Noise:
 
     def lines(self) -> List[str]:
         out = [f"held-out: {self.windows} windows, {self.tokens} tokens; differences below "
-               f"{self.resolvable:.4f} nats/token are within the noise ({select.Z:g} standard "
+               f"{self.resolvable:.4f} nats/token are within the noise ({choice.Z:g} standard "
                f"errors of the paired difference, {self.pair})"
                if not math.isnan(self.resolvable) else
                f"held-out: {self.windows} windows, {self.tokens} tokens; too few blocks to "
@@ -94,9 +92,9 @@ class Noise:
                 "lines": self.lines()}
 
 
-def noise(candidates: List[select.Candidate], blocks, windows: int, tokens: int,
+def noise(candidates: List[choice.Candidate], blocks, windows: int, tokens: int,
           tolerance: float) -> Noise:
-    """Noise of a scored candidate list (calibrate_select.score and choose
+    """Noise of a scored candidate list (choice.score and choose
     ran)."""
     window_tokens = max(1, round(tokens / windows)) if windows else 0
     out = Noise(windows=windows, tokens=tokens, window_tokens=window_tokens, tolerance=tolerance)
@@ -108,8 +106,8 @@ def noise(candidates: List[select.Candidate], blocks, windows: int, tokens: int,
     ones = next((c for c in scored if c.observer is None and c.kv_only == best.kv_only), None)
     if ones is None:
         return out
-    diff, se = select.mean_se(ones.nll - best.nll, blocks)
-    out.resolvable = select.Z * se
+    diff, se = choice.mean_se(ones.nll - best.nll, blocks)
+    out.resolvable = choice.Z * se
     out.pair = f"{ones.label} against {best.label}"
     out.gain = diff
     out.best_label = best.label
@@ -126,8 +124,8 @@ def noise(candidates: List[select.Candidate], blocks, windows: int, tokens: int,
 @dataclass
 class Decision:
     """The one answer of a kvcal-calibrate run (see the module docs)."""
-    chosen: select.Candidate
-    candidates: List[select.Candidate]
+    chosen: choice.Candidate
+    candidates: List[choice.Candidate]
     why: str
     noise: Noise
     skip: Optional[skip_layers.SkipAdvice]        # FP8's skip advice for the chosen scales
@@ -137,7 +135,7 @@ class Decision:
     figure: Optional[format_advice.FormatFigure] = None  # the served format's figures
 
     @property
-    def written(self) -> select.Candidate:
+    def written(self) -> choice.Candidate:
         """The candidate whose scales the checkpoint holds: the chosen FP8
         scales, or the per-tensor scales a recommended NVFP4 cache was
         scored with (its store reads one global scale per layer)."""
@@ -200,14 +198,12 @@ def served_format(formats: Optional[format_advice.FormatAdvice],
     return r.kv_format, list(r.skip_layers), r
 
 
-def serve_line(checkpoint: str, chosen: select.Candidate, target: str,
+def serve_line(checkpoint: str, chosen: choice.Candidate, target: str,
                formats: Optional[format_advice.FormatAdvice],
                fp8_skip: Optional[skip_layers.SkipAdvice], model_dtype: str,
                dtype_argument: Optional[str] = None) -> dict:
     """The `vllm serve` command for the decision, and why. `dtype_argument`:
     the --dtype vLLM needs (a GGUF conversion), else None."""
-    from kvcal import calibrate_output as output
-
     kv_dtype, layers, figure = served_format(formats, fp8_skip, model_dtype)
     base = ["vllm", "serve", checkpoint] + (["--dtype", dtype_argument] if dtype_argument else [])
     notes: List[str] = []
@@ -247,7 +243,7 @@ def serve_line(checkpoint: str, chosen: select.Candidate, target: str,
             "fp8_alternative": alternative}
 
 
-def decide(chosen: select.Candidate, candidates: List[select.Candidate], blocks, why: str,
+def decide(chosen: choice.Candidate, candidates: List[choice.Candidate], blocks, why: str,
            skip, formats, *, checkpoint: str, target: str, model_dtype: str, windows: int,
            tokens: int, tolerance: float, dtype_argument: Optional[str] = None) -> Decision:
     """The Decision of a scored run."""

@@ -32,13 +32,18 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, List, Optional
 
 from kvcal._fs import same_file
-from kvcal.calibrate_worker import find_binary
+from kvcal.calibrate.model import gguf_exporter
+from kvcal.calibrate.worker import find_binary
+
+if TYPE_CHECKING:
+    from kvcal.calibrate.state import Run
 
 SKIP_NAMES = (".kvcal-calibrate", ".kvcal-patch")
-# A run's lock file in a checkout being calibrated in place (calibrate_lock.py).
+# A run's lock file in a checkout being calibrated in place (calibrate/lock.py).
 SKIP_FILES = (".kvcal-calibrate.lock",)
 FICLONE = 0x40049409  # linux/fs.h _IOW(0x94, 9, int)
 
@@ -388,7 +393,7 @@ Q_BACKENDS = ("FLASH_ATTN (FlashAttention 2/3), TRITON_ATTN and, on Blackwell, F
 def serve_arguments(chosen, kv_format: str, target: str):
     """(the `vllm serve` arguments after the checkpoint for a quantized KV
     cache `kv_format` with the `chosen` scales, the attention backends that
-    run it, notes). kvcal/calibrate_decision.py puts the line together."""
+    run it, notes). kvcal/calibrate/decision.py puts the line together."""
     args = ["--kv-cache-dtype", kv_format]
     notes = []
     if kv_format != "fp8":
@@ -418,3 +423,48 @@ def quote(arg: str) -> str:
     import shlex
 
     return shlex.quote(arg)
+
+
+def patch_and_report(run: "Run", scoring) -> SimpleNamespace:
+    """The decision's scales patched into the checkpoint (in place or
+    --out), inspected for the cache dtype the serve line names, and the HTML
+    report written from the same decision (kvcal report --decision)."""
+    decision = scoring.decision
+    written = decision.written
+    scales_path = os.path.join(run.work, "scales.safetensors")
+    written.scales.metadata["kvcal_calibrate_choice"] = written.label
+    written.scales.save(scales_path)
+    export = gguf_exporter(run.lm, run) if run.gguf else None
+    run.stage = "patch"
+    patch = patch_checkpoint(run.directory, scales_path, out=run.out,
+                                    staging=os.path.join(run.work, "checkpoint"), target=run.opts.target,
+                                    lock_timeout=run.opts.lock_timeout, export=export,
+                                    committed=lambda: setattr(run, "stage", "done"))
+    checkpoint = patch.output_dir
+    inspected = inspect(checkpoint, run.opts.target, decision.inspect_dtype)
+    report_path = os.path.abspath(run.opts.report) if run.opts.report else os.path.join(checkpoint, "kvcal-report.html")
+    evals = []
+    for c in scoring.candidates:
+        if c.same_as is not None or c.evaluation is None:
+            continue
+        path = os.path.join(run.work, f"eval-{len(evals)}.json")
+        c.evaluation.to_json(path)
+        evals.append(path)
+    # The other cache formats' runs: the report's "Cache format" section.
+    for f in scoring.formats.figures if scoring.formats is not None else []:
+        if f.evaluation is not None:
+            path = os.path.join(run.work, f"eval-{len(evals)}-{f.kv_format}.json")
+            f.evaluation.to_json(path)
+            evals.append(path)
+    decision_path = os.path.join(run.work, "decision.json")
+    with open(decision_path, "w") as f:
+        json.dump(decision.view(scoring.scored["reference_nll"]), f)
+    rep_target = ",".join(run.opts.server) if run.opts.server else run.worker.target
+    try:
+        write_report(report_path, rep_target, run.session_id, evals, run.opts.auth_token_file,
+                            scales=scales_path, decision=decision_path)
+    except OutputError as e:
+        run.warnings.append(f"no report: {e}")
+        report_path = None
+    return SimpleNamespace(patch=patch, checkpoint=checkpoint, inspected=inspected,
+                           report=report_path)

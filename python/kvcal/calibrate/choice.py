@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -221,7 +221,7 @@ def score(model, batches: list, candidates: List[Candidate], progress=None,
     unquantized pass is reused instead of run again. A scale 1.0 candidate
     with each kv_only of the others must be among `candidates` (their
     evaluations compare against it)."""
-    from kvcal import evaluate as ev
+    from kvcal.torch import evaluation as ev
 
     with ev._eager(model):
         if reference is not None:

@@ -61,7 +61,7 @@ from typing import List
 
 import torch as _torch
 
-from . import torch as _kt
+from . import capturing as _kt
 
 MLA_ROLES = ("q", "k")
 

@@ -46,7 +46,7 @@ Notes:
   and V), encoder-decoder and cross-attention models, hybrid and
   linear-attention models (layer_types other than full, sliding and chunked
   attention; Mamba layers) and layers sharing another's KV cache. For MLA,
-  `kvcal.torch.capture_mla` (kvcal/torch_mla.py) sends the latent cache row
+  `kvcal.torch.capture_mla` (kvcal/torch/mla.py) sends the latent cache row
   vLLM quantizes instead.
 """
 from __future__ import annotations
@@ -315,9 +315,3 @@ def capture(model, producer, roles=("q", "k", "v")):
             for name in names:
                 _uninstall(name)
 
-
-# DeepSeek-style MLA: what vLLM's latent cache holds (kvcal/torch_mla.py).
-from .torch_mla import MLA_ROLES, capture_mla, mla_geometry  # noqa: E402,F401
-
-# Measurement (kvcal/evaluate.py): FP8 Q/K/V error, saturation, perplexity.
-from .evaluate import Evaluation, evaluate, fake_quantize, rescale_keys  # noqa: E402,F401

@@ -15,17 +15,17 @@ cache dtype) and ignores the checkpoint's scales.
 
 The rule (advise):
 
-1. per layer, the candidate's held-out attention error (kvcal.evaluate's
+1. per layer, the candidate's held-out attention error (kvcal.torch.evaluation's
    relative RMS error of the attention output, mean over the layer's query
    heads) from the scoring run kvcal-calibrate already made;
 2. outliers: layers whose error exceeds K_MEDIAN x the median layer's, the
    worst first, at most MAX_SHARE of the layers;
 3. one more pass of the held-out windows with those layers' q/k/v scales
-   left out (kvcal.evaluate's "not quantized" for a role without a scale),
+   left out (kvcal.torch.evaluation's "not quantized" for a role without a scale),
    the other layers as before;
 4. advised only when that lowers the model's held-out loss measurably:
    the paired per-token gain (all quantized minus skipped) exceeds Z
-   standard errors over blocks of 32 tokens (calibrate_select.mean_se).
+   standard errors over blocks of 32 tokens (choice.mean_se).
 
 The cost is cache bytes: a skipped layer stores its K and V in the model's
 dtype (2 bytes per value for bf16/fp16) instead of 1 (FP8) or 9/16 (NVFP4:
@@ -39,15 +39,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 
-from kvcal import calibrate_select as select
+from kvcal.calibrate import choice
 
 K_MEDIAN = 3.0
 MAX_SHARE = 0.25
-Z = select.Z
+Z = choice.Z
 ARGUMENT = "--kv-cache-dtype-skip-layers"
 # Bytes per cached K or V value in vLLM 0.34's cache formats.
 VALUE_BYTES = {"fp8": 1.0, "nvfp4": 0.5625, "nvfp4_4over6": 0.5625}
@@ -154,21 +154,21 @@ def without_layers(scales, layers) -> dict:
     return {name: value for name, value in scales.items() if name not in drop}
 
 
-def advise(model, batches: list, candidate: "select.Candidate", reference: np.ndarray,
+def advise(model, batches: list, candidate: "choice.Candidate", reference: np.ndarray,
            blocks: np.ndarray, kv_format: str = "fp8", k: float = K_MEDIAN,
            max_share: float = MAX_SHARE) -> SkipAdvice:
-    """The skip-layer advice for a scored `candidate` (calibrate_select.score
+    """The skip-layer advice for a scored `candidate` (choice.score
     filled its nll and evaluation on `batches`; `reference` and `blocks` are
     score's per-token unquantized loss and block ids). Runs the held-out
     batches once more when a layer is an outlier."""
-    from kvcal import evaluate as ev
+    from kvcal.torch import evaluation as ev
 
     if candidate.evaluation is None or candidate.nll is None:
         raise ValueError("kvcal skip layers: the candidate has not been scored")
     err = np.asarray(candidate.evaluation.attention_error, dtype=np.float64)
     layer_error = err.mean(axis=1)
     median = float(np.median(layer_error))
-    delta, delta_se = select.mean_se(candidate.nll - reference, blocks)
+    delta, delta_se = choice.mean_se(candidate.nll - reference, blocks)
     advice = SkipAdvice(kv_format=kv_format, layers=[], tried=[],
                         layer_error=[float(e) for e in layer_error], median=median, k=k,
                         delta=delta, delta_se=delta_se, attention_error=float(err.mean()),
@@ -182,15 +182,15 @@ def advise(model, batches: list, candidate: "select.Candidate", reference: np.nd
     if scales is None:  # scale 1.0 candidates carry explicit ones; be safe
         from types import SimpleNamespace
 
-        scales = select.ones_scales(SimpleNamespace(num_layers=advice.total_layers))
+        scales = choice.ones_scales(SimpleNamespace(num_layers=advice.total_layers))
     skipped = without_layers(scales, tried)
     with ev._eager(model):
         q = ev._Quantizer(model, skipped, candidate.kv_only, False, True, kv_format)
         with ev._installed(model, q):
-            nll, _ = select._token_nll(model, batches)
+            nll, _ = choice._token_nll(model, batches)
     _, _, err_skip = q.shares()
-    advice.delta_skip, advice.delta_skip_se = select.mean_se(nll - reference, blocks)
-    advice.gain, advice.gain_se = select.mean_se(candidate.nll - nll, blocks)
+    advice.delta_skip, advice.delta_skip_se = choice.mean_se(nll - reference, blocks)
+    advice.gain, advice.gain_se = choice.mean_se(candidate.nll - nll, blocks)
     advice.attention_error_skip = float(err_skip.mean())
     per_layer = err_skip.mean(axis=1)
     advice.per_layer_skip = [float(e) for e in per_layer]
