@@ -1,4 +1,5 @@
 // The statistics engine's backend interface: one per calibration session.
+// Backends are made by the factory (kernels/backend_factory.h):
 //
 //   KVCAL_ASSIGN_OR_RETURN(std::unique_ptr<kvcal::StatisticsBackend> backend,
 //                          kvcal::CreateBackend(kvcal::BackendKind::kAuto, geometry));
@@ -98,32 +99,6 @@ struct BackendOptions {
 
 absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateCpuBackend(
     const Geometry& geometry, const BackendOptions& options = {});
-
-// What a BackendKind means on this machine now. The one place that decides
-// what kAuto means: kCuda when this build has the CUDA backend, device
-// `options.device` exists and no device loss was reported (DeviceHealth);
-// else kCpu. kCpu resolves to itself; kCuda resolves to itself when the
-// device exists and is healthy, else FAILED_PRECONDITION (or UNAVAILABLE
-// after a device loss) saying why.
-struct BackendChoice {
-  BackendKind kind = BackendKind::kCpu;  // kCpu or kCuda, never kAuto
-  // For the log: "cuda on NVIDIA H200, sm_90, ..." or "cpu (no CUDA device
-  // present)".
-  std::string description;
-};
-absl::StatusOr<BackendChoice> ResolveBackend(
-    BackendKind kind, const BackendOptions& options = {});
-
-// Creates the backend ResolveBackend(kind) chooses. With kAuto, a CUDA
-// backend that cannot be created (out of device memory, a device lost
-// meanwhile, ...) falls back to the CPU backend: the session works either
-// way, and name() says which one it got.
-absl::StatusOr<std::unique_ptr<StatisticsBackend>> CreateBackend(
-    BackendKind kind, const Geometry& geometry,
-    const BackendOptions& options = {});
-
-// Parses "auto", "cpu" or "cuda".
-absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view text);
 
 }  // namespace kvcal
 

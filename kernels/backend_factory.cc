@@ -1,4 +1,4 @@
-#include "kernels/backend.h"
+#include "kernels/backend_factory.h"
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_backend.h"

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/backend_factory.h"
 #include "kernels/nonfinite.h"
 #include "util/status_macros.h"
 

@@ -416,6 +416,12 @@ bool CalibrationService::InflightBelowLimit() const {
          static_cast<int64_t>(options_.max_inflight_bytes);
 }
 
+bool CalibrationService::BackpressureLogDue(int64_t now_seconds) {
+  int64_t last = last_backpressure_log_.load();
+  return now_seconds - last >= 10 &&
+         last_backpressure_log_.compare_exchange_strong(last, now_seconds);
+}
+
 bool CalibrationService::RegisterStream(IngestReactor* reactor) {
   std::lock_guard<std::mutex> lock(streams_mu_);
   streams_.insert(reactor);

@@ -10,14 +10,17 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include "kvcal/v1/calibration.grpc.pb.h"
 #include "service/auth.h"
 #include "service/executor.h"
+#include "service/ingest_host.h"
 #include "service/metrics.h"
 #include "service/session_registry.h"
 #include "service/shared_memory.h"
@@ -65,7 +68,8 @@ using Base = G::WithCallbackMethod_CreateSession<
                                     G::Service>>>>>>>>>>>>;
 }  // namespace calibration_grpc
 
-class CalibrationService final : public calibration_grpc::Base {
+class CalibrationService final : public calibration_grpc::Base,
+                                 public IngestHost {
  public:
   explicit CalibrationService(ServiceOptions options);
   ~CalibrationService() override;
@@ -86,7 +90,7 @@ class CalibrationService final : public calibration_grpc::Base {
   }
   // With --state-dir, deletions also remove the session's file.
   void set_persister(SessionPersister* persister) { persister_ = persister; }
-  Metrics& metrics() { return metrics_; }
+  Metrics& metrics() override { return metrics_; }
 
   grpc::ServerUnaryReactor* CreateSession(
       grpc::CallbackServerContext* context,
@@ -139,15 +143,25 @@ class CalibrationService final : public calibration_grpc::Base {
       kvcal::v1::ListSharedMemoryResponse* response) override;
 
  private:
-  friend class IngestReactor;
-  // False when the worker is draining (the stream then ends at once).
-  bool RegisterStream(IngestReactor* reactor);
-  void UnregisterStream(IngestReactor* reactor);
-
+  // IngestHost, for the Ingest streams (ingest_host.h).
+  bool RegisterStream(IngestReactor* reactor) override;
+  void UnregisterStream(IngestReactor* reactor) override;
   // The caller's tenant (kDefaultTenant without --auth-token-file), or
   // Unauthenticated.
   absl::StatusOr<std::string> Authorize(
-      grpc::CallbackServerContext* context) const;
+      grpc::CallbackServerContext* context) const override;
+  void AddInflight(int64_t delta) override;
+  bool InflightBelowLimit() const override;
+  uint64_t max_inflight_bytes() const override {
+    return options_.max_inflight_bytes;
+  }
+  int max_pending_per_stream() const override {
+    return options_.max_pending_per_stream;
+  }
+  bool BackpressureLogDue(int64_t now_seconds) override;
+  void Schedule(std::function<void()> task) override {
+    executor_.Schedule(std::move(task));
+  }
   // Runs `body` (inline or on the executor), records latency and rejects,
   // and finishes the reactor with its status.
   template <typename Body>
@@ -160,7 +174,7 @@ class CalibrationService final : public calibration_grpc::Base {
   absl::StatusOr<kvcal::v1::IngestResponse> ApplyChunk(
       const std::string& tenant, const kvcal::v1::IngestRequest& request,
       const std::vector<absl::Span<const std::byte>>& data,
-      uint64_t data_bytes);
+      uint64_t data_bytes) override;
   // The response to an ingested message; an applied one counts `bytes` and
   // `values` in the metrics, another as a duplicate.
   kvcal::v1::IngestResponse Acknowledge(const std::string& producer,
@@ -172,11 +186,8 @@ class CalibrationService final : public calibration_grpc::Base {
       const std::shared_ptr<Session>& session, const std::string& producer,
       const kvcal::v1::IngestRequest& request, uint64_t data_bytes);
 
-  // In-flight accounting shared by all Ingest streams.
   // SessionInfoToProto plus what the service knows (persistence).
   void SessionToProto(const SessionInfo& info, kvcal::v1::Session* out) const;
-  void AddInflight(int64_t delta);
-  bool InflightBelowLimit() const;
 
   ServiceOptions options_;
   SessionRegistry registry_;

@@ -3,7 +3,9 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
-#include "service/calibration_service.h"
+// SerializationTraits for the responses (the generated gRPC header brings
+// this gRPC version's protobuf serialization).
+#include "kvcal/v1/calibration.grpc.pb.h"
 #include "service/log.h"
 #include "util/grpc_status.h"
 
@@ -11,16 +13,16 @@ namespace kvcal::service {
 
 namespace pb = ::kvcal::v1;
 
-IngestReactor::IngestReactor(CalibrationService* service,
+IngestReactor::IngestReactor(IngestHost* host,
                              grpc::CallbackServerContext* context)
-    : service_(service), start_(std::chrono::steady_clock::now()) {
-  service_->metrics_.StreamOpened();
+    : host_(host), start_(std::chrono::steady_clock::now()) {
+  host_->metrics().StreamOpened();
   absl::StatusOr<std::string> tenant =
-      service_->RegisterStream(this)
-          ? service_->Authorize(context)
+      host_->RegisterStream(this)
+          ? host_->Authorize(context)
           : absl::UnavailableError("the worker is shutting down");
   if (!tenant.ok()) {
-    service_->metrics_.RecordReject(static_cast<int>(tenant.status().code()));
+    host_->metrics().RecordReject(static_cast<int>(tenant.status().code()));
     // Through the one finish decision: a drain that started after
     // RegisterStream may be finishing this stream concurrently.
     {
@@ -48,7 +50,7 @@ void IngestReactor::OnReadDone(bool ok) {
     } else {
       const int64_t bytes = static_cast<int64_t>(read_buffer_->wire_bytes());
       pending_bytes_ += bytes;
-      service_->AddInflight(bytes);
+      host_->AddInflight(bytes);
       pending_.push_back(std::move(read_buffer_));
       if (!applying_) {
         applying_ = true;
@@ -58,7 +60,7 @@ void IngestReactor::OnReadDone(bool ok) {
   }
   if (schedule) {
     Ref();  // ApplyLoop's own reference: the reactor outlives the loop
-    service_->executor_.Schedule([this] {
+    host_->Schedule([this] {
       ApplyLoop();
       Unref();
     });
@@ -102,12 +104,12 @@ void IngestReactor::Drain() {
 }
 
 void IngestReactor::OnDone() {
-  service_->UnregisterStream(this);
-  service_->metrics_.RecordLatency(
+  host_->UnregisterStream(this);
+  host_->metrics().RecordLatency(
       "Ingest",
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_)
           .count());
-  service_->metrics_.StreamClosed();
+  host_->metrics().StreamClosed();
   Unref();
 }
 
@@ -118,7 +120,7 @@ void IngestReactor::Fail(grpc::Status status, bool drop_writes) {
   if (failed_) return;
   failed_ = true;
   final_status_ = std::move(status);
-  service_->AddInflight(-pending_bytes_);
+  host_->AddInflight(-pending_bytes_);
   pending_bytes_ = 0;
   pending_.clear();
 }
@@ -149,24 +151,21 @@ void IngestReactor::StartNextRead() {
     if (reading_ || read_closed_ || failed_ || finished_ || draining_) {
       return;
     }
-    if (static_cast<int>(pending_.size()) >=
-        service_->options_.max_pending_per_stream) {
+    if (static_cast<int>(pending_.size()) >= host_->max_pending_per_stream()) {
       return;  // resumed by ApplyLoop
     }
     if (writes_.size() >= kMaxUnsentResponses) {
       return;  // a client that stops reading acks stops being read
     }
-    if (!pending_.empty() && !service_->InflightBelowLimit()) {
+    if (!pending_.empty() && !host_->InflightBelowLimit()) {
       const int64_t now =
           std::chrono::duration_cast<std::chrono::seconds>(
               std::chrono::steady_clock::now().time_since_epoch())
               .count();
-      int64_t last = service_->last_backpressure_log_.load();
-      if (now - last >= 10 &&
-          service_->last_backpressure_log_.compare_exchange_strong(last, now)) {
+      if (host_->BackpressureLogDue(now)) {
         KVCAL_LOG(WARNING)
             << "ingest: in-flight chunk memory reached the "
-            << service_->options_.max_inflight_bytes
+            << host_->max_inflight_bytes()
             << " byte bound (--max-inflight-bytes); pausing reads";
       }
       return;  // resumed by ApplyLoop once this stream's chunks drain
@@ -222,8 +221,8 @@ void IngestReactor::ApplyLoop() {
     if (absl::Status parsed = request->Parse(); !parsed.ok()) {
       response = std::move(parsed);
     } else {
-      response = service_->ApplyChunk(tenant_, request->header(),
-                                      request->data(), request->data_bytes());
+      response = host_->ApplyChunk(tenant_, request->header(), request->data(),
+                                   request->data_bytes());
     }
     grpc::ByteBuffer serialized;
     if (response.ok()) {
@@ -236,7 +235,7 @@ void IngestReactor::ApplyLoop() {
       std::lock_guard<std::mutex> lock(mu_);
       if (!failed_) {
         pending_bytes_ -= bytes;
-        service_->AddInflight(-bytes);
+        host_->AddInflight(-bytes);
       }
       // Cleared (the received slices released), the request keeps its
       // vectors for the next read.
@@ -247,7 +246,7 @@ void IngestReactor::ApplyLoop() {
       if (response.ok()) {
         if (!failed_) writes_.push_back(std::move(serialized));
       } else {
-        service_->metrics_.RecordReject(
+        host_->metrics().RecordReject(
             static_cast<int>(response.status().code()));
         Fail(ToGrpcStatus(response.status()), /*drop_writes=*/false);
       }

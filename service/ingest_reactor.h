@@ -1,4 +1,5 @@
-// The Ingest stream of the worker (CalibrationService::Ingest): one
+// The Ingest stream of the worker (CalibrationService::Ingest, through
+// IngestHost): one
 // reactor per stream, on gRPC's callback API with raw messages
 // (grpc::ByteBuffer), so chunk data is read in place from gRPC's receive
 // buffer (ingest_wire.h) and never copied into a message.
@@ -17,11 +18,10 @@
 #include <string>
 #include <vector>
 
+#include "service/ingest_host.h"
 #include "service/ingest_wire.h"
 
 namespace kvcal::service {
-
-class CalibrationService;
 
 // One Ingest stream. Reads chunks while the stream's and the worker's
 // in-flight bounds allow (gRPC flow control then slows the producer), applies
@@ -38,8 +38,7 @@ class IngestReactor final
   static constexpr size_t kMaxSpareRequests = 2;
 
  public:
-  IngestReactor(CalibrationService* service,
-                grpc::CallbackServerContext* context);
+  IngestReactor(IngestHost* host, grpc::CallbackServerContext* context);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
@@ -81,7 +80,7 @@ class IngestReactor final
   void ApplyLoop();
   void MaybeFinish();
 
-  CalibrationService* const service_;
+  IngestHost* const host_;
   const std::chrono::steady_clock::time_point start_;
   std::string tenant_;  // set once, before the first read
   std::mutex mu_;

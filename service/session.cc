@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/backend_factory.h"
 #include "kernels/nonfinite.h"
 #include "util/status_macros.h"
 

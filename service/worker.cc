@@ -19,6 +19,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/backend_factory.h"
 #include "kernels/cuda_ipc.h"
 #include "kernels/device_health.h"
 #include "service/log.h"
@@ -151,14 +152,14 @@ absl::Status CheckPortFree(const std::string& address, absl::string_view flag) {
     if (a->ai_family == AF_INET6) {  // [::] is dual-stack in gRPC too
       setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
     }
-    in_use = bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0 &&
-             errno == EADDRINUSE;
+    in_use =
+        bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0 && errno == EADDRINUSE;
   }
   freeaddrinfo(found);
   if (in_use) {
-    return absl::UnavailableError(
-        absl::StrCat(address, flag == "--listen" ? "" : absl::StrCat(" (", flag, ")"),
-                     " is in use (another kvcal-worker?)"));
+    return absl::UnavailableError(absl::StrCat(
+        address, flag == "--listen" ? "" : absl::StrCat(" (", flag, ")"),
+        " is in use (another kvcal-worker?)"));
   }
   return absl::OkStatus();
 }

@@ -20,6 +20,7 @@
 #include "absl/debugging/failure_signal_handler.h"
 #include "absl/debugging/symbolize.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/backend_factory.h"
 #include "service/log.h"
 #include "service/shard_map.h"
 #include "service/worker.h"

@@ -254,4 +254,46 @@ absl::Status WriteOutputFile(const std::string& path,
       code);
 }
 
+absl::Status FilesystemError(absl::string_view what,
+                             const std::error_code& ec) {
+  return absl::InternalError(absl::StrCat(what, ": ", ec.message()));
+}
+
+absl::Status RenamePath(const std::filesystem::path& from,
+                        const std::filesystem::path& to) {
+  std::error_code ec;
+  std::filesystem::rename(from, to, ec);
+  if (ec) {
+    return FilesystemError(
+        absl::StrCat("cannot rename ", from.string(), " to ", to.string()), ec);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CopyFileOrTreeSynced(
+    const std::filesystem::path& from, const std::filesystem::path& to,
+    const std::function<void(uint64_t bytes)>& copied) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_regular_file(from, ec)) {
+    fs::copy(from, to, fs::copy_options::recursive, ec);
+    if (ec)
+      return FilesystemError(absl::StrCat("cannot copy ", from.string()), ec);
+    return absl::OkStatus();
+  }
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+  if (ec)
+    return FilesystemError(absl::StrCat("cannot copy ", from.string()), ec);
+  const int fd = ::open(to.c_str(), O_RDONLY | O_CLOEXEC);
+  const bool synced = fd >= 0 && ::fsync(fd) == 0;
+  if (fd >= 0) ::close(fd);
+  if (!synced) {
+    return absl::InternalError(
+        absl::StrCat("cannot fsync ", to.string(), ": ", std::strerror(errno)));
+  }
+  const uintmax_t size = fs::file_size(to, ec);
+  if (copied) copied(ec ? 0 : size);
+  return absl::OkStatus();
+}
+
 }  // namespace kvcal

@@ -8,8 +8,11 @@
 #define KVCAL_UTIL_FILE_IO_H_
 
 #include <cstddef>
+#include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <string>
+#include <system_error>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -69,6 +72,19 @@ absl::StatusOr<std::string> ResolveOutputPath(const std::string& path);
 
 // True when both paths exist and name the same file (links followed).
 bool SameFile(const std::string& a, const std::string& b);
+
+// A std::filesystem error as a status: Internal, "<what>: <the error>".
+absl::Status FilesystemError(absl::string_view what, const std::error_code& ec);
+
+// Renames `from` to `to` (std::filesystem::rename); Internal naming both.
+absl::Status RenamePath(const std::filesystem::path& from,
+                        const std::filesystem::path& to);
+
+// Copies a regular file (replacing `to`) and fsyncs the copy, or copies a
+// directory tree; `copied` is told the bytes of each regular file copied.
+absl::Status CopyFileOrTreeSynced(
+    const std::filesystem::path& from, const std::filesystem::path& to,
+    const std::function<void(uint64_t bytes)>& copied = nullptr);
 
 // Writes the bytes of an output file to `fd` (a new temporary file; its
 // name, for messages, is `temp_path`).

@@ -49,4 +49,21 @@ std::string DescribeWorkerSetChange(absl::Span<const std::string> session_ids,
   return absl::StrJoin(parts, ", ");
 }
 
+std::string ShellQuote(const std::string& word) {
+  if (!word.empty() &&
+      word.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV"
+                             "WXYZ0123456789_-./=:,+@%") == std::string::npos) {
+    return word;
+  }
+  std::string quoted = "'";
+  for (char c : word) {
+    if (c == '\'') {
+      quoted += "'\\''";
+    } else {
+      quoted += c;
+    }
+  }
+  return quoted + "'";
+}
+
 }  // namespace kvcal

@@ -31,6 +31,11 @@ std::string IdList(absl::Span<const std::string> ids);
 std::string DescribeWorkerSetChange(absl::Span<const std::string> session_ids,
                                     absl::Span<const std::string> other_ids);
 
+// A word of a shell command, single-quoted when it holds anything but
+// [A-Za-z0-9_-./=:,+@%] (or is empty): what commands kvcal prints for the
+// user to run say.
+std::string ShellQuote(const std::string& word);
+
 }  // namespace kvcal
 
 #endif  // KVCAL_UTIL_STRINGS_H_

@@ -48,6 +48,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "client/rpc/shared_memory_ring.h"
+#include "kernels/backend_factory.h"
 #include "kvcal/v1/calibration.grpc.pb.h"
 #include "service/worker.h"
 

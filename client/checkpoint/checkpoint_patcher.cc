@@ -37,7 +37,9 @@
 #include "client/checkpoint/scales_file.h"
 #include "client/checkpoint/vllm_rules.h"
 #include "nlohmann/json.hpp"
+#include "util/file_io.h"
 #include "util/status_macros.h"
+#include "util/strings.h"
 
 namespace kvcal {
 namespace {
@@ -106,20 +108,6 @@ struct PatchJournal {
   }
 };
 
-absl::Status FsError(absl::string_view what, const std::error_code& ec) {
-  return absl::InternalError(absl::StrCat(what, ": ", ec.message()));
-}
-
-absl::Status Rename(const fs::path& from, const fs::path& to) {
-  std::error_code ec;
-  fs::rename(from, to, ec);
-  if (ec) {
-    return FsError(
-        absl::StrCat("cannot rename ", from.string(), " to ", to.string()), ec);
-  }
-  return absl::OkStatus();
-}
-
 // The staging directory's entries other than the lock file: what an
 // interrupted patch left (staged files, a journal).
 absl::StatusOr<std::vector<fs::path>> StagedEntries(const fs::path& staging) {
@@ -129,7 +117,8 @@ absl::StatusOr<std::vector<fs::path>> StagedEntries(const fs::path& staging) {
   for (const fs::directory_entry& e : fs::directory_iterator(staging, ec)) {
     if (e.path().filename() != kCheckpointLockName) entries.push_back(e.path());
   }
-  if (ec) return FsError(absl::StrCat("cannot list ", staging.string()), ec);
+  if (ec)
+    return FilesystemError(absl::StrCat("cannot list ", staging.string()), ec);
   return entries;
 }
 
@@ -140,27 +129,11 @@ absl::Status ClearStaging(const fs::path& staging) {
   std::error_code ec;
   for (const fs::path& entry : entries) {
     fs::remove_all(entry, ec);
-    if (ec) return FsError(absl::StrCat("cannot remove ", entry.string()), ec);
+    if (ec)
+      return FilesystemError(absl::StrCat("cannot remove ", entry.string()),
+                             ec);
   }
   return absl::OkStatus();
-}
-
-// A word of a shell command, quoted when it needs to be.
-std::string ShellWord(const std::string& word) {
-  if (!word.empty() &&
-      word.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV"
-                             "WXYZ0123456789_-./=:,+@%") == std::string::npos) {
-    return word;
-  }
-  std::string quoted = "'";
-  for (char c : word) {
-    if (c == '\'') {
-      quoted += "'\\''";
-    } else {
-      quoted += c;
-    }
-  }
-  return quoted + "'";
 }
 
 // The command that completes a committed patch: patch runs recovery first
@@ -168,8 +141,8 @@ std::string ShellWord(const std::string& word) {
 // the same bytes.
 std::string CompletionCommand(const PatchOptions& options) {
   std::string command = absl::StrCat(
-      "kvcal patch --checkpoint ", ShellWord(options.checkpoint_dir),
-      " --scales ", ShellWord(options.scales_path));
+      "kvcal patch --checkpoint ", ShellQuote(options.checkpoint_dir),
+      " --scales ", ShellQuote(options.scales_path));
   if (options.target != PatchTarget::kCompressedTensors) {
     absl::StrAppend(&command, " --target ",
                     std::string(PatchTargetName(options.target)));
@@ -306,29 +279,6 @@ absl::Status VerifyFileCopy(const fs::path& source, const fs::path& copy,
     report.bytes_verified += t.size();
     progress.Add(t.size());
   }
-  return absl::OkStatus();
-}
-
-// Copies a file or a directory tree; regular files are fsynced.
-absl::Status CopySynced(const fs::path& from, const fs::path& to,
-                        PatchProgress& progress) {
-  std::error_code ec;
-  if (!fs::is_regular_file(from, ec)) {
-    fs::copy(from, to, fs::copy_options::recursive, ec);
-    if (ec) return FsError(absl::StrCat("cannot copy ", from.string()), ec);
-    return absl::OkStatus();
-  }
-  fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
-  if (ec) return FsError(absl::StrCat("cannot copy ", from.string()), ec);
-  const int fd = ::open(to.c_str(), O_RDONLY | O_CLOEXEC);
-  const bool synced = fd >= 0 && ::fsync(fd) == 0;
-  if (fd >= 0) ::close(fd);
-  if (!synced) {
-    return absl::InternalError(
-        absl::StrCat("cannot fsync ", to.string(), ": ", std::strerror(errno)));
-  }
-  const uintmax_t size = fs::file_size(to, ec);
-  progress.Add(ec ? 0 : size);
   return absl::OkStatus();
 }
 
@@ -555,7 +505,8 @@ absl::StatusOr<PatchPlan> Plan(const Checkpoint& c,
         if (IsSafetensorsName(name)) plan.bytes_to_verify += ec ? 0 : size;
       }
     }
-    if (ec) return FsError(absl::StrCat("cannot list ", c.dir.string()), ec);
+    if (ec)
+      return FilesystemError(absl::StrCat("cannot list ", c.dir.string()), ec);
   }
   return plan;
 }
@@ -696,7 +647,8 @@ absl::StatusOr<Staged> Stage(const Checkpoint& c, const PatchOptions& options,
   // In place, the staging directory holds the lock file already.
   fs::create_directories(staged.staging, ec);
   if (ec) {
-    return FsError(absl::StrCat("cannot create ", staged.staging.string()), ec);
+    return FilesystemError(
+        absl::StrCat("cannot create ", staged.staging.string()), ec);
   }
   crash.Step();
   return staged;
@@ -726,8 +678,9 @@ absl::Status StageFiles(const Checkpoint& c, const PatchPlan& plan,
   // With --out, everything else is copied beside the new files.
   if (!staged.in_place) {
     for (const std::string& name : plan.copies) {
-      KVCAL_RETURN_IF_ERROR(
-          CopySynced(c.dir / name, staged.staging / name, progress));
+      KVCAL_RETURN_IF_ERROR(CopyFileOrTreeSynced(
+          c.dir / name, staged.staging / name,
+          [&progress](uint64_t bytes) { progress.Add(bytes); }));
     }
     crash.Step();
   }
@@ -765,7 +718,7 @@ absl::Status Commit(const Checkpoint& c, const PatchPlan& plan,
     if (fs::exists(staged.out_dir, ec)) {
       fs::remove(staged.out_dir, ec);  // empty, checked
     }
-    KVCAL_RETURN_IF_ERROR(Rename(staged.staging, staged.out_dir));
+    KVCAL_RETURN_IF_ERROR(RenamePath(staged.staging, staged.out_dir));
     committed = true;
     const fs::path parent = staged.out_dir.parent_path();
     return SyncDirectory(parent.empty() ? std::string(".") : parent.string());
@@ -789,7 +742,7 @@ absl::Status Commit(const Checkpoint& c, const PatchPlan& plan,
   committed = true;
   crash.Step();  // committed: from here on, recovery rolls forward
   for (const std::string& name : journal.renames) {
-    KVCAL_RETURN_IF_ERROR(Rename(staging / name, c.dir / name));
+    KVCAL_RETURN_IF_ERROR(RenamePath(staging / name, c.dir / name));
     crash.Step();
   }
   KVCAL_RETURN_IF_ERROR(SyncDirectory(c.dir.string()));
@@ -824,7 +777,7 @@ absl::StatusOr<std::string> RecoverLocked(const fs::path& dir,
     for (const std::string& name : committed.renames) {
       const fs::path from = staging / name;
       if (fs::exists(from, ec)) {
-        if (absl::Status s = Rename(from, dir / name); !s.ok()) {
+        if (absl::Status s = RenamePath(from, dir / name); !s.ok()) {
           return failed(s);
         }
       }
@@ -923,7 +876,7 @@ absl::StatusOr<std::string> RecoverInterruptedPatch(
   KVCAL_ASSIGN_OR_RETURN(CheckpointLock lock,
                          CheckpointLock::Acquire(checkpoint_dir, {}));
   return RecoverLocked(checkpoint_dir, absl::StrCat("kvcal patch --checkpoint ",
-                                                    ShellWord(checkpoint_dir),
+                                                    ShellQuote(checkpoint_dir),
                                                     " --scales SCALES"));
 }
 

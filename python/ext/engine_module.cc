@@ -1,5 +1,5 @@
 // kvcal._engine: the statistics engine (kernels/local_statistics.h) as a
-// CPython extension, for python/kvcal/local_statistics.py, which is the API
+// CPython extension, for python/kvcal/producer/statistics.py, which is the API
 // (this module takes wire numbers and raw buffers; that module checks and
 // converts what users pass).
 //
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/backend_factory.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/local_statistics.h"
 

@@ -7,6 +7,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/backend_factory.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/device_health.h"
 #include "tests/kernels/test_util.h"

@@ -2,6 +2,8 @@
 // checks, range checks, typo suggestions and the usage-error line (what
 // `kvcal` and `kvcal-worker` print is tested on the binaries in
 // tests/client/cli_test.cc and tests/service/worker_cli_test.cc).
+#include "util/cli.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -14,9 +16,9 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "util/cli.h"
 #include "util/host_port.h"
 #include "util/pem.h"
+#include "util/strings.h"
 #include "util/version.h"
 
 namespace kvcal {
@@ -126,9 +128,8 @@ TEST(PemTest, CertificatesAndKeysAreTold) {
               "not a PEM certificate (it holds a PRIVATE KEY)");
   EXPECT_THAT(std::string(CheckPem(kCert, PemKind::kPrivateKey).message()),
               "not a PEM private key (it holds a CERTIFICATE)");
-  EXPECT_THAT(
-      std::string(CheckPem("hello\n", PemKind::kCertificate).message()),
-      "not a PEM certificate (no -----BEGIN line)");
+  EXPECT_THAT(std::string(CheckPem("hello\n", PemKind::kCertificate).message()),
+              "not a PEM certificate (no -----BEGIN line)");
   EXPECT_THAT(std::string(CheckPem("", PemKind::kCertificate).message()),
               HasSubstr("empty"));
   EXPECT_THAT(std::string(CheckPem(std::string("\x30\x82\x01\x00\x00", 5),
@@ -163,8 +164,9 @@ TEST(PemTest, ReadPemFileNamesTheFlagAndRefusesWhatIsNoFile) {
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(*ok, kCert);
   const auto message = [](const std::string& path) {
-    return std::string(
-        ReadPemFile("--tls-ca", path, PemKind::kCertificate).status().message());
+    return std::string(ReadPemFile("--tls-ca", path, PemKind::kCertificate)
+                           .status()
+                           .message());
   };
   EXPECT_EQ(message((dir / "ca.txt").string()),
             "--tls-ca " + (dir / "ca.txt").string() +
@@ -298,9 +300,9 @@ TEST(SuggestTest, EditDistanceCountsATranspositionOnce) {
 }
 
 TEST(SuggestTest, ClosestWithinAThirdOrTheOnlyPrefix) {
-  const std::vector<std::string> commands = {
-      "create", "push", "status", "finalize", "patch",
-      "inspect", "calibrate", "report", "demo"};
+  const std::vector<std::string> commands = {"create",    "push",   "status",
+                                             "finalize",  "patch",  "inspect",
+                                             "calibrate", "report", "demo"};
   EXPECT_EQ(cli::Suggest("calibrat", commands), "calibrate");
   EXPECT_EQ(cli::Suggest("stauts", commands), "status");
   EXPECT_EQ(cli::Suggest("finalise", commands), "finalize");
@@ -329,7 +331,8 @@ std::string UsageErrorFor(std::vector<std::string> args) {
   (void)calibrate;
   size_t window = 16;
   std::string session, output, dir;
-  push->add_option("--window", window)->check(cli::InRange(cli::IntRange{1, 1024, ""}));
+  push->add_option("--window", window)
+      ->check(cli::InRange(cli::IntRange{1, 1024, ""}));
   push->add_option("--session", session)->required();
   push->add_option("-o,--output", output);
   push->add_option("DIR", dir);
@@ -393,8 +396,7 @@ TEST(UsageErrorTest, ParseExitsTwoForUsageErrorsAndZeroForVersion) {
   };
   EXPECT_EQ(parse({"kvcal-worker", "--executor-threads", "-3"}),
             cli::kExitUsage);
-  EXPECT_EQ(parse({"kvcal-worker", "--executor-thread", "3"}),
-            cli::kExitUsage);
+  EXPECT_EQ(parse({"kvcal-worker", "--executor-thread", "3"}), cli::kExitUsage);
   EXPECT_EQ(parse({"kvcal-worker", "--version"}), cli::kExitOk);
   EXPECT_EQ(parse({"kvcal-worker", "--executor-threads", "3"}), std::nullopt);
 }
@@ -404,7 +406,17 @@ TEST(VersionTest, VersionCommitAndBackends) {
               AllOf(StartsWith("kvcal " + std::string(Version()) + " (commit "),
                     HasSubstr("; backends: cpu")));
   EXPECT_FALSE(GitCommit().empty());
-  EXPECT_THAT(std::string(Version()), ::testing::MatchesRegex(R"([0-9]+\.[0-9]+\.[0-9]+.*)"));
+  EXPECT_THAT(std::string(Version()),
+              ::testing::MatchesRegex(R"([0-9]+\.[0-9]+\.[0-9]+.*)"));
+}
+
+TEST(ShellQuoteTest, QuotesOnlyWhatTheShellWouldSplitOrExpand) {
+  EXPECT_EQ(ShellQuote("/models/llama-3.1_8B"), "/models/llama-3.1_8B");
+  EXPECT_EQ(ShellQuote("--target=modelopt"), "--target=modelopt");
+  EXPECT_EQ(ShellQuote(""), "''");
+  EXPECT_EQ(ShellQuote("my model"), "'my model'");
+  EXPECT_EQ(ShellQuote("$HOME"), "'$HOME'");
+  EXPECT_EQ(ShellQuote("it's"), "'it'\\''s'");
 }
 
 }  // namespace

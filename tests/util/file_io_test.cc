@@ -19,6 +19,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -240,6 +241,36 @@ TEST_F(FileIoTest, SameFileFollowsLinks) {
   EXPECT_TRUE(SameFile(Path("a"), Path("l")));
   EXPECT_FALSE(SameFile(Path("a"), Path("b")));
   EXPECT_FALSE(SameFile(Path("a"), Path("missing")));
+}
+
+TEST_F(FileIoTest, RenamePathMovesAndNamesBothPathsOnFailure) {
+  std::ofstream(Path("a")) << "x";
+  ASSERT_TRUE(RenamePath(Path("a"), Path("b")).ok());
+  EXPECT_FALSE(fs::exists(Path("a")));
+  EXPECT_TRUE(fs::exists(Path("b")));
+  const absl::Status missing = RenamePath(Path("gone"), Path("c"));
+  EXPECT_EQ(missing.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(missing.message(), HasSubstr(Path("gone")));
+  EXPECT_THAT(missing.message(), HasSubstr(Path("c")));
+}
+
+TEST_F(FileIoTest, CopyFileOrTreeSyncedCopiesFilesAndTreesAndCountsFileBytes) {
+  std::ofstream(Path("file")) << "12345";
+  std::ofstream(Path("old")) << "longer old contents";
+  std::vector<uint64_t> counted;
+  ASSERT_TRUE(CopyFileOrTreeSynced(Path("file"), Path("old"), [&](uint64_t n) {
+                counted.push_back(n);
+              }).ok());
+  std::ifstream copy(Path("old"));
+  std::string text((std::istreambuf_iterator<char>(copy)), {});
+  EXPECT_EQ(text, "12345");  // replaced, not appended to
+  EXPECT_EQ(counted, std::vector<uint64_t>{5});
+  fs::create_directories(Path("tree/sub"));
+  std::ofstream(Path("tree/sub/f")) << "abc";
+  ASSERT_TRUE(CopyFileOrTreeSynced(Path("tree"), Path("tree2")).ok());
+  EXPECT_TRUE(fs::exists(Path("tree2/sub/f")));
+  EXPECT_EQ(CopyFileOrTreeSynced(Path("none"), Path("x")).code(),
+            absl::StatusCode::kInternal);
 }
 
 }  // namespace
