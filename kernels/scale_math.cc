@@ -363,7 +363,7 @@ class ValueModel {
   float absmax() const { return absmax_; }
 
   // Sum over all values of |FakeQuantize(x, scale) - x|^norm: exact for the
-  // kept values, integrated over each interval (docs/formats.md "Observers").
+  // kept values, integrated over each interval (docs/observers.md).
   double Error(float scale, Format format, double norm) const {
     const double qmax = FormatMax(format);
     double error = 0.0;

@@ -1,5 +1,5 @@
 // Scale math: from accumulated statistics to FP8/INT8 quantization scales,
-// per tensor or per head, under each observer (docs/formats.md "Observers").
+// per tensor or per head, under each observer (docs/observers.md).
 //
 //   kvcal::ScaleOptions options;
 //   options.observer = kvcal::Observer::kMse;
@@ -16,7 +16,7 @@
 // 256 exactly kept largest |x| (exact error) plus the |x| histogram less
 // those values (each bin's error integrated over the bin, the values taken
 // as spread evenly over it), at every step of the grid: no early stop,
-// mse_patience is accepted but unused (docs/formats.md "Observers").
+// mse_patience is accepted but unused (docs/observers.md).
 #ifndef KVCAL_KERNELS_SCALE_MATH_H_
 #define KVCAL_KERNELS_SCALE_MATH_H_
 

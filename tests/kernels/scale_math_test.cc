@@ -556,7 +556,7 @@ TEST(MseObserverTest, MatchesBruteForceWhenAllValuesAreKept) {
   }
 }
 
-// docs/formats.md "The MSE goal": on heavy-tailed per-head data at 64 bins per
+// docs/observers.md "The MSE goal": on heavy-tailed per-head data at 64 bins per
 // octave, the chosen scale's raw error is within 1.02x of llm-compressor's
 // grid search on the same raw values for >= 99% of scales, 1.05x for all.
 TEST(MseObserverTest, HeavyTailedDataWithinContractTolerance) {

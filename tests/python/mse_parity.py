@@ -1,5 +1,5 @@
 """MSE parity on raw values: kvcal's MSE scale against llm-compressor's
-shrink-factor grid search run on the same raw values (docs/formats.md's goal:
+shrink-factor grid search run on the same raw values (docs/observers.md's goal:
 the error of kvcal's scale within 1.02x of the search's for >= 99% of
 scales, within 1.05x for all).
 

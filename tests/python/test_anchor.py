@@ -117,7 +117,7 @@ def test_minmax_observers_equal_llmcompressor_on_smollm2(worker, smollm2_activat
 
 
 def test_mse_within_contract_goal_on_smollm2(worker, smollm2_activations):
-    """The MSE goal (docs/formats.md) on a trained model's activations: kvcal's
+    """The MSE goal (docs/observers.md) on a trained model's activations: kvcal's
     scale leaves at most 1.02x the error of llm-compressor's grid search on
     the raw values for >= 99% of scales, at most 1.05x for all. Every third
     layer and layer 7 (whose k head 0 has a raw error curve that rises for
@@ -148,7 +148,7 @@ def test_mse_matches_llmcompressor_within_histogram_resolution(worker, granulari
     """kvcal's MSE scale is llm-compressor's, or one step of the shrink grid
     away where bin-centre errors tip the search (a few percent of scales); on
     the raw values its error is then within 1.02x of llm-compressor's
-    (docs/formats.md's MSE goal)."""
+    (docs/observers.md's MSE goal)."""
     batches = activations(1, seed=seed)
     want = llmcompressor_scales(batches, "mse", strategy)
     got = kvcal_scales(worker, batches, "mse", granularity)
