@@ -1,5 +1,6 @@
 #include "proto/names.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -30,6 +31,33 @@ std::vector<std::string> Spellings(const EnumValueDescriptor* value) {
 }
 
 }  // namespace
+
+const std::vector<ObserverRow>& ObserverTable() {
+  static const std::vector<ObserverRow>* const table = [] {
+    auto* rows = new std::vector<ObserverRow>();
+    const EnumDescriptor* type = v1::Observer_descriptor();
+    for (int i = 0; i < type->value_count(); ++i) {
+      const EnumValueDescriptor* value = type->value(i);
+      const google::protobuf::EnumValueOptions& options = value->options();
+      const int simplicity = options.GetExtension(v1::simplicity);
+      if (simplicity <= 0) continue;  // UNSPECIFIED, auto
+      ObserverRow row{static_cast<v1::Observer>(value->number()),
+                      CanonicalName(type, value->number()),
+                      CliName(type, value->number()),
+                      options.GetExtension(v1::label),
+                      options.GetExtension(v1::needs_histograms),
+                      simplicity};
+      if (row.label.empty()) row.label = row.name;
+      rows->push_back(std::move(row));
+    }
+    std::stable_sort(rows->begin(), rows->end(),
+                     [](const ObserverRow& a, const ObserverRow& b) {
+                       return a.simplicity < b.simplicity;
+                     });
+    return rows;
+  }();
+  return *table;
+}
 
 std::string CanonicalName(const EnumDescriptor* type, int number) {
   const EnumValueDescriptor* value = type->FindValueByNumber(number);

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -33,6 +34,19 @@ std::string CliNames(const google::protobuf::EnumDescriptor* type);
 absl::StatusOr<int> ParseName(const google::protobuf::EnumDescriptor* type,
                               absl::string_view what,
                               absl::string_view spelling);
+
+// One row of the proto's observer table: the options on an Observer value.
+struct ObserverRow {
+  v1::Observer value;
+  std::string name;   // canonical ("static_minmax")
+  std::string cli;    // as the CLI prints it ("static-minmax")
+  std::string label;  // as the report prints it ("static min-max")
+  bool needs_histograms = false;
+  int simplicity = 0;  // 1 = the simplest
+};
+// Every observer but auto (simplicity 0), the simplest first: the list the
+// worker's auto evaluates and every client derives its own from.
+const std::vector<ObserverRow>& ObserverTable();
 
 // Typed forms for the enums users name.
 absl::StatusOr<v1::Observer> ParseObserver(absl::string_view spelling);

@@ -5,14 +5,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/names.h"
+#include "proto/wire_enums.h"
 #include "util/status_macros.h"
 
 namespace kvcal::service {
 namespace {
-
-constexpr Observer kObservers[] = {
-    Observer::kStaticMinMax, Observer::kMinMaxEma, Observer::kMemorylessMinMax,
-    Observer::kMse, Observer::kPercentile};
 
 double Ratio(double error_sq, double reference_sq) {
   if (reference_sq <= 0.0) return error_sq > 0.0 ? INFINITY : 0.0;
@@ -99,13 +96,11 @@ absl::Status EvaluateCandidates(const SessionStatistics& stats,
                                 EvaluatedFinalize& out,
                                 std::vector<ScaleResult>& results) {
   for (Granularity granularity : granularities) {
-    for (Observer observer : kObservers) {
-      if (!stats.geometry().has_histograms() &&
-          (observer == Observer::kMse || observer == Observer::kPercentile)) {
-        continue;
-      }
+    // Every observer of the proto's table (proto/names.h), simplest first.
+    for (const ObserverRow& row : ObserverTable()) {
+      if (!stats.geometry().has_histograms() && row.needs_histograms) continue;
       ScaleOptions candidate = options.scale;
-      candidate.observer = observer;
+      candidate.observer = FromWire(row.value);
       candidate.granularity = granularity;
       KVCAL_ASSIGN_OR_RETURN(ScaleResult scales,
                              ComputeScales(stats, candidate));

@@ -14,7 +14,8 @@ Spellings are normalised before they are looked up: lower case, '-' as '_'.
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Union
+from dataclasses import dataclass
+from typing import Dict, Mapping, Tuple, Union
 
 from kvcal.v1 import pb
 
@@ -81,6 +82,36 @@ FORMATS = canonical("Format")
 OBSERVER_SPELLINGS = spellings("Observer")
 GRANULARITY_SPELLINGS = spellings("Granularity")
 FORMAT_SPELLINGS = spellings("Format")
+
+
+@dataclass(frozen=True)
+class ObserverInfo:
+    """One row of the proto's observer table (the options on the Observer
+    enum values)."""
+    name: str               # canonical: what scales files record
+    cli: str                # how the CLI prints it
+    label: str              # what the report and kvcal-calibrate print
+    needs_histograms: bool  # Finalize refuses it on a session without them
+    simplicity: int         # 1 = the simplest
+
+
+def _observer_table() -> Tuple[ObserverInfo, ...]:
+    rows = []
+    for v in _values("Observer"):
+        options = v.GetOptions()
+        simplicity = options.Extensions[pb.simplicity]
+        if simplicity <= 0:
+            continue  # auto: not an observer of its own
+        name = _canonical(v)
+        rows.append(ObserverInfo(name, options.Extensions[pb.cli_name] or name,
+                                 options.Extensions[pb.label] or name,
+                                 bool(options.Extensions[pb.needs_histograms]), simplicity))
+    return tuple(sorted(rows, key=lambda r: r.simplicity))
+
+
+# Every observer (auto aside), the simplest first: the one list that
+# kvcal-calibrate scores and its --observer help names.
+OBSERVER_TABLE = _observer_table()
 
 
 def resolve_observer(name: str) -> str:

@@ -34,12 +34,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from kvcal import names
+
 BLOCK = 32
 Z = 2.0
-OBSERVER_ORDER = ("static_minmax", "minmax", "memoryless_minmax", "mse", "percentile")
-OBSERVER_LABELS = {"static_minmax": "static min-max", "minmax": "EMA min-max",
-                   "memoryless_minmax": "memoryless min-max", "mse": "MSE",
-                   "percentile": "percentile"}
+# The observers, simplest first, and the names people read: the proto's
+# observer table (kvcal.names.OBSERVER_TABLE).
+OBSERVER_ORDER = tuple(row.name for row in names.OBSERVER_TABLE)
+OBSERVER_LABELS = {row.name: row.label for row in names.OBSERVER_TABLE}
 GRANULARITY_ORDER = ("one", "tensor", "head")
 # llm-compressor 0.14's default KV-cache recipe, kv_cache_scheme
 # {num_bits: 8, type: float, strategy: tensor, symmetric: true, dynamic: false}

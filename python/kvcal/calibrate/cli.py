@@ -202,8 +202,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", help="bearer token for --server workers")
     p.add_argument("--out", metavar="DIR", help="write the patched copy here (default: in place)")
     p.add_argument("--observer", default="auto",
-                   help="auto (every observer) or a comma list of static_minmax, minmax, "
-                        "memoryless_minmax, mse, percentile")
+                   help="auto (every observer) or a comma list of "
+                        f"{', '.join(choice.OBSERVER_ORDER)}")
     p.add_argument("--granularity", default="auto", choices=GRANULARITIES,
                    help="auto: per tensor, and per head too where FlashAttention 3 runs (this "
                         "machine's GPU is Hopper or newer, or --assume-backend fa3)")
