@@ -9,7 +9,6 @@ from kvcal.calibrate.errors import UsageError
 ASSUME_BACKENDS = ("auto", "fa3")
 
 
-
 def _hopper(torch) -> str:
     """The name of this machine's Hopper-class (or newer) CUDA GPU, or ''."""
     if (torch.cuda.is_available() and torch.version.hip is None
@@ -18,14 +17,12 @@ def _hopper(torch) -> str:
     return ""
 
 
-
 def _this_machine(torch) -> str:
     if not torch.cuda.is_available():
         return "this machine has no GPU"
     major, minor = torch.cuda.get_device_capability(0)
     return (f"this machine's GPU ({torch.cuda.get_device_name(0)}, compute capability "
             f"{major}.{minor}) cannot run it")
-
 
 
 def granularities_of(torch, target: str, granularity: str, kv_only: bool,

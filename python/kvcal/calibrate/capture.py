@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 PRODUCER = "kvcal-calibrate"
 
 
-
 def connect(run: "Run", ui: Ui):
     """The embedded worker (or --server's) and the session's status there,
     checked before the model loads (fail fast): (client, status or None)."""
@@ -55,7 +54,6 @@ def connect(run: "Run", ui: Ui):
     return client, existing
 
 
-
 def load_and_open_session(run: "Run", journal: "Journal", client, existing, ui: Ui):
     """Loads the model (run.lm) and creates or attaches the session;
     from then on the work directory is worth keeping. Returns the geometry."""
@@ -86,7 +84,6 @@ def load_and_open_session(run: "Run", journal: "Journal", client, existing, ui: 
     return geometry
 
 
-
 def resume_point(journal: "Journal", client, existing, nbatches: int):
     """(batches already on the worker, the sequence to start at or None)."""
     if existing is None:
@@ -104,7 +101,6 @@ def resume_point(journal: "Journal", client, existing, nbatches: int):
     return skip, start_sequence or 1
 
 
-
 def local_resume_point(client, existing, nbatches: int, flush_batches: int):
     """resume_point of --local-statistics: (batches already on the worker,
     the sequence to start at or None). Flush n is the producer's message n
@@ -120,7 +116,6 @@ def local_resume_point(client, existing, nbatches: int, flush_batches: int):
     return min(nbatches, applied * flush_batches), applied + 1
 
 
-
 def _applied(existing) -> int:
     """The watermark of kvcal-calibrate's producer in the session (0 when
     it has none)."""
@@ -129,7 +124,6 @@ def _applied(existing) -> int:
         if p.producer_id == PRODUCER:
             applied = p.sequence
     return applied
-
 
 
 def forwards(run: "Run", journal: "Journal", client, existing, ui: Ui) -> None:
@@ -203,7 +197,6 @@ def forwards(run: "Run", journal: "Journal", client, existing, ui: Ui) -> None:
     except BaseException as e:
         producer.__exit__(type(e), e, None)
         raise
-
 
 
 def _close_with_bar(producer, ui: Ui) -> None:

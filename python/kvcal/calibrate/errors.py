@@ -4,26 +4,21 @@ from __future__ import annotations
 import os
 
 
-
 class CalibrateError(RuntimeError):
     """A failure: the message is one line that says what to change."""
-
 
 
 class UsageError(ValueError):
     """Bad arguments (exit 2)."""
 
 
-
 class Interrupted(KeyboardInterrupt):
     pass
-
 
 
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
-
 
 
 def test_seam(stage: str) -> None:

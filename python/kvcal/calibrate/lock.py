@@ -316,7 +316,6 @@ def _gone(record: dict) -> bool:
     return not pid_alive(record["pid"])
 
 
-
 def describe(record: dict) -> str:
     """'pid 123 on HOST, started 2026-05-01T10:11:12+02:00 (`COMMAND`)'."""
     started = record.get("started")
@@ -352,7 +351,6 @@ def _locked_message(path: str, out: Optional[str], directory: str, holder: Optio
     else:
         who = f"another kvcal-calibrate run: {describe(holder)}"
     return f"{what} {who}; {todo} (lock file {path})"
-
 
 
 def _command_line() -> str:

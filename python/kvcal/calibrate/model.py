@@ -13,9 +13,7 @@ from kvcal.calibrate.errors import CalibrateError, UsageError, first_line
 from kvcal.calibrate.ui import Ui
 
 
-
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
 
 
 def resolve_model(model: str, gguf_file: Optional[str]):
@@ -45,7 +43,6 @@ def resolve_model(model: str, gguf_file: Optional[str]):
     raise CalibrateError(f"model directory {model} does not exist")
 
 
-
 def fetch_hub(name: str) -> str:
     try:
         from huggingface_hub import snapshot_download
@@ -58,7 +55,6 @@ def fetch_hub(name: str) -> str:
             f"{name} is not a local directory, and the Hugging Face hub did not give it "
             f"({type(e).__name__}: {why[:160]}); download it where the hub is reachable "
             f"(huggingface-cli download {name} --local-dir DIR) and pass DIR") from None
-
 
 
 def config_dict(directory: str, gguf: Optional[str]) -> dict:
@@ -77,7 +73,6 @@ def config_dict(directory: str, gguf: Optional[str]) -> dict:
             return json.load(f)
     except ValueError as e:
         raise CalibrateError(f"{path} is not valid JSON ({e})") from None
-
 
 
 def check_config(config: dict, where: str) -> dict:
@@ -107,13 +102,11 @@ def check_config(config: dict, where: str) -> dict:
     return text
 
 
-
 def check_quant_method(config: dict, target: str, where: str) -> None:
     method = (config.get("quantization_config") or {}).get("quant_method")
     if target in ("modelopt", "quark") and method != target:
         raise CalibrateError(f"--target {target} patches {target} checkpoints only; {where} has "
                              f"quant_method {method or 'none'} (use --target compressed-tensors)")
-
 
 
 def check_context(seq_len: int, text_config: dict, model: str) -> None:
@@ -127,7 +120,6 @@ def check_context(seq_len: int, text_config: dict, model: str) -> None:
                 raise UsageError(f"--seq-len {seq_len} is longer than {model}'s context "
                                  f"({key} {limit}); use --seq-len {limit} or less")
             return
-
 
 
 def load_model(directory: str, gguf: Optional[str], device: str, dtype, ui: Ui):
@@ -144,7 +136,6 @@ def load_model(directory: str, gguf: Optional[str], device: str, dtype, ui: Ui):
     return tokenizer, (lambda: _load_weights(transformers, directory, kwargs, device, dtype))
 
 
-
 def _load_weights(transformers, directory, kwargs, device, dtype):
     try:
         config = transformers.AutoConfig.from_pretrained(directory, **kwargs)
@@ -154,7 +145,6 @@ def _load_weights(transformers, directory, kwargs, device, dtype):
     except Exception as e:  # noqa: BLE001
         raise CalibrateError(f"cannot load the model in {directory}: {first_line(e)}") from None
     return model.to(device).eval()
-
 
 
 def _without_kv_scheme(config) -> None:
@@ -177,7 +167,6 @@ def _without_kv_scheme(config) -> None:
     config.quantization_config = d
 
 
-
 def device_and_dtype(torch, device: str, dtype: str):
     """`auto` resolved: CUDA in bfloat16 where torch sees a GPU, else CPU in
     float32."""
@@ -195,7 +184,6 @@ def device_and_dtype(torch, device: str, dtype: str):
 GGUF_EXPORT_DTYPE = "bfloat16"
 
 
-
 def served_dtype(text_config: dict, gguf: Optional[str]) -> str:
     """The dtype vLLM serves the checkpoint in (--dtype auto reads the
     config's torch_dtype / dtype)."""
@@ -203,7 +191,6 @@ def served_dtype(text_config: dict, gguf: Optional[str]) -> str:
         return GGUF_EXPORT_DTYPE
     value = text_config.get("torch_dtype") or text_config.get("dtype") or "bfloat16"
     return str(value).replace("torch.", "")
-
 
 
 def gguf_exporter(model, run):
@@ -233,7 +220,6 @@ def gguf_exporter(model, run):
         return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(directory)
                    for f in fs)
     return export
-
 
 
 @contextlib.contextmanager

@@ -134,7 +134,6 @@ def resolve_observers(spec: str) -> List[str]:
     return out
 
 
-
 def check_formats(spec: str, tolerance: float) -> List[str]:
     """--kv-cache-formats as a list; UsageError naming what is wrong."""
     try:
@@ -144,7 +143,6 @@ def check_formats(spec: str, tolerance: float) -> List[str]:
     if not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) or tolerance < 0:
         raise UsageError(f"--tolerance must be a finite number of nats/token >= 0, got {tolerance}")
     return formats
-
 
 
 def check_local_statistics(local_statistics: bool,
@@ -168,7 +166,6 @@ def check_local_statistics(local_statistics: bool,
         raise UsageError(str(e).replace("kvcal: ", "", 1)) from None
 
 
-
 def holdout_windows(samples: int, seq_len: int, holdout_samples: Optional[int]) -> int:
     """The held-out windows asked for (calibrate_data.default_holdout when
     --holdout-samples is not given); UsageError when none are left."""
@@ -178,7 +175,6 @@ def holdout_windows(samples: int, seq_len: int, holdout_samples: Optional[int]) 
         raise UsageError(f"--samples {samples} leaves nothing to calibrate on after {holdout} "
                          f"held-out samples; ask for at least {holdout + 1}")
     return holdout
-
 
 
 def read_token(auth_token_file: Optional[str]) -> Optional[str]:

@@ -198,7 +198,6 @@ def shared_lock(checkpoint: str, timeout: Optional[float]):
         os.close(fd)
 
 
-
 def _holder(path: str) -> str:
     try:
         with open(path) as f:

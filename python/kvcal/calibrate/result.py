@@ -9,7 +9,6 @@ from kvcal.calibrate import choice, format_advice, output, skip_layers
 from kvcal.calibrate.decision import Decision
 
 
-
 @dataclass
 class CalibrationResult:
     """A finished run: `decision` is the one answer (calibrate/decision.py)
@@ -79,10 +78,8 @@ class CalibrationResult:
         return out
 
 
-
 def _num(x):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
-
 
 
 def inspect_summary(report: dict) -> dict:

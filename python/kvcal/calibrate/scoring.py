@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from kvcal.calibrate.state import Run
 
 
-
 def score(run: "Run", client, geometry, ui: Ui) -> SimpleNamespace:
     """Every candidate finalized and scored on the held-out windows, the
     choice and the skip-layer advice for it."""
@@ -51,7 +50,6 @@ def score(run: "Run", client, geometry, ui: Ui) -> SimpleNamespace:
         tolerance=run.opts.tolerance, dtype_argument=run.dtype_argument)
     return SimpleNamespace(candidates=candidates, scored=scored, chosen=chosen, skip=skip,
                            formats=formats, decision=decision)
-
 
 
 def _save_candidates(directory: str, candidates) -> None:

@@ -8,7 +8,6 @@ import time
 PROG = "kvcal-calibrate"
 
 
-
 class Ui:
     def __init__(self, quiet: bool):
         self.quiet = quiet
@@ -35,7 +34,6 @@ class Ui:
                          dynamic_ncols=True, leave=False, mininterval=0.5), self, estimate)
 
 
-
 class _NoBar:
     def update(self, n=1):
         pass
@@ -51,7 +49,6 @@ class _NoBar:
 
     def __exit__(self, *exc):
         pass
-
 
 
 class _Bar:

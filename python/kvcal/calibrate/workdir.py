@@ -16,12 +16,10 @@ if TYPE_CHECKING:
     from kvcal.calibrate.state import Run
 
 
-
 def work_dir(directory: str, out: Optional[str]) -> str:
     if out:
         return os.path.abspath(out).rstrip("/") + ".kvcal-calibrate"
     return os.path.join(directory, ".kvcal-calibrate")
-
 
 
 def makedirs(path: str, created: List[str]) -> None:
@@ -35,12 +33,10 @@ def makedirs(path: str, created: List[str]) -> None:
         created.append(d)
 
 
-
 def remove_created(created: List[str]) -> None:
     for d in reversed(created):
         shutil.rmtree(d, ignore_errors=True)
     del created[:]
-
 
 
 def check_out(out: str) -> None:
@@ -64,11 +60,9 @@ def check_out(out: str) -> None:
         remove_created(created)
 
 
-
 def inside(path: str, directory: str) -> bool:
     path, directory = os.path.realpath(path), os.path.realpath(directory)
     return path == directory or path.startswith(directory.rstrip("/") + "/")
-
 
 
 def check_in_place(directory: str) -> None:
@@ -79,7 +73,6 @@ def check_in_place(directory: str) -> None:
     except OSError as e:
         raise CalibrateError(f"cannot write into {directory} to patch it in place ({e.strerror}); "
                              f"pass --out DIR for a patched copy") from None
-
 
 
 def fingerprint(samples: data.Samples, config: dict, options: dict) -> str:
@@ -93,7 +86,6 @@ def fingerprint(samples: data.Samples, config: dict, options: dict) -> str:
             h.update(len(w).to_bytes(4, "little"))
             h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in w))
     return h.hexdigest()
-
 
 
 class Journal:
@@ -138,7 +130,6 @@ class Journal:
         f.flush()
 
 
-
 def check_resume_mode(run: "Run", previous: Optional[dict], local_statistics: bool,
                        flush_batches: Optional[int]) -> None:
     """--resume continues in the mode the interrupted run streamed in: its
@@ -159,7 +150,6 @@ def check_resume_mode(run: "Run", previous: Optional[dict], local_statistics: bo
             f"{previous.get('flush_batches')} batches, not {flush_batches}; rerun it with "
             f"--flush-batches {previous.get('flush_batches')}, or delete that directory to start "
             f"over")
-
 
 
 def session_of(run, previous, session, fingerprint) -> str:

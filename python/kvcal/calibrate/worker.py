@@ -51,7 +51,6 @@ def _parent_death_signal():
         pass
 
 
-
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

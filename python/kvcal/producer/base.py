@@ -47,7 +47,6 @@ class ProducerError(RuntimeError):
     """The producer stopped; raised by put(), flush() and close()."""
 
 
-
 class _ProducerBase:
     """What both producers share: the calibration batch number they stamp
     on their chunks (0 until new_batch() is called after the first chunk,

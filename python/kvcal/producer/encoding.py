@@ -44,7 +44,6 @@ class _Payload:
             return self._data
 
 
-
 class _Chunk:
     """One numbered message: a piece of a tensor, or (partial set; a
     local-statistics flush) partial statistics."""

@@ -32,7 +32,6 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusC
               grpc.StatusCode.UNKNOWN}
 
 
-
 class WorkerProducer(_ProducerBase):
     """Streams chunks to one session on one worker as one producer; see the
     module docs. kvcal.Producer(client) returns one for a client of one
