@@ -542,9 +542,9 @@ absl::Status CheckMissing(const SessionStatistics& stats,
         if (missing.size() < 20)
           missing.push_back(TripleName(layer, role, head));
         if (h.nonfinite_count() != 0 && nonfinite_only++ == 0) {
-          first_nonfinite = absl::StrCat(TripleName(layer, role, head), ": ",
-                                         h.nan_count, " NaN, ", h.inf_count,
-                                         " Inf");
+          first_nonfinite =
+              absl::StrCat(TripleName(layer, role, head), ": ", h.nan_count,
+                           " NaN, ", h.inf_count, " Inf");
         }
       }
     }
@@ -621,11 +621,11 @@ absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
   }
   if (stats.finite_values() == 0) {
     const uint64_t nonfinite = stats.nonfinite_values();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the session has no finite values: nothing to calibrate",
-        nonfinite == 0 ? ""
-                       : absl::StrCat(" (it saw only ", nonfinite,
-                                      " NaN or Inf values)")));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the session has no finite values: nothing to calibrate",
+                     nonfinite == 0 ? ""
+                                    : absl::StrCat(" (it saw only ", nonfinite,
+                                                   " NaN or Inf values)")));
   }
   KVCAL_ASSIGN_OR_RETURN(const std::vector<uint32_t> selected,
                          SelectLayers(g, options.layers));

@@ -556,8 +556,8 @@ TEST(MseObserverTest, MatchesBruteForceWhenAllValuesAreKept) {
   }
 }
 
-// docs/observers.md "The MSE goal": on heavy-tailed per-head data at 64 bins per
-// octave, the chosen scale's raw error is within 1.02x of llm-compressor's
+// docs/observers.md "The MSE goal": on heavy-tailed per-head data at 64 bins
+// per octave, the chosen scale's raw error is within 1.02x of llm-compressor's
 // grid search on the same raw values for >= 99% of scales, 1.05x for all.
 TEST(MseObserverTest, HeavyTailedDataWithinContractTolerance) {
   constexpr uint32_t kHeads = 96;
@@ -742,12 +742,12 @@ TEST(ComputeScalesTest, MissingHeadsAreListed) {
   AddValues(stats, 1, Role::kK, 1, 0, {kNan});  // no finite value: missing
   // The message says that the head saw values, all non-finite (not "no
   // data" alone, which would send the user looking for a lost chunk).
-  EXPECT_THAT(ComputeScales(stats, ScaleOptions()),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       AllOf(HasSubstr("1 (layer, role, head)"),
-                             HasSubstr("(1, K, 1)"),
-                             HasSubstr("1 of them saw only non-finite values "
-                                       "(first (1, K, 1): 1 NaN, 0 Inf)"))));
+  EXPECT_THAT(
+      ComputeScales(stats, ScaleOptions()),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               AllOf(HasSubstr("1 (layer, role, head)"), HasSubstr("(1, K, 1)"),
+                     HasSubstr("1 of them saw only non-finite values "
+                               "(first (1, K, 1): 1 NaN, 0 Inf)"))));
   ScaleOptions options =
       Options(Observer::kStaticMinMax, Granularity::kPerHead);
   options.allow_missing = true;
@@ -768,12 +768,12 @@ TEST(ComputeScalesTest, ManyMissingHeadsListTheFirstTwenty) {
   SessionStatistics stats(MakeGeometry(1, 32, 1, 0, 0b001));
   AddValues(stats, 0, Role::kQ, 0, 0, {1.0f});
   auto r = ComputeScales(stats, ScaleOptions());
-  EXPECT_THAT(r, StatusIs(absl::StatusCode::kFailedPrecondition,
-                          AllOf(HasSubstr("31 (layer, role, head)"),
-                                HasSubstr("(0, Q, 1)"), HasSubstr("(0, Q, 20)"),
-                                Not(HasSubstr("(0, Q, 21)")),
-                                Not(HasSubstr("non-finite")),
-                                HasSubstr("allow_missing"))));
+  EXPECT_THAT(
+      r, StatusIs(
+             absl::StatusCode::kFailedPrecondition,
+             AllOf(HasSubstr("31 (layer, role, head)"), HasSubstr("(0, Q, 1)"),
+                   HasSubstr("(0, Q, 20)"), Not(HasSubstr("(0, Q, 21)")),
+                   Not(HasSubstr("non-finite")), HasSubstr("allow_missing"))));
 }
 
 TEST(ComputeScalesTest, NoFiniteValueAtAllFailsEvenWithAllowMissing) {
