@@ -12,8 +12,8 @@
 //       in, {q_scale, k_scale, v_scale}, {}, &sums));   // once per sequence
 //   double layer_error = sums.RelativeError();
 //
-// Definitions (the same as kvcal.torch.evaluate, python/kvcal/
-// torch.py): for each sequence, reference o = softmax(q kᵀ · s + causal) v
+// Definitions (the same as kvcal.torch.evaluate, python/kvcal/torch/
+// evaluation.py): for each sequence, reference o = softmax(q kᵀ · s + causal) v
 // in float32 with s = 1/sqrt(head_dim); the FP8 run replaces q, k and v by
 // Fp8E4m3fnFakeQuantize(x, scale) (q left alone with quantize_q = false:
 // an FP8 KV cache with a bf16 query). GQA: query head h reads KV head

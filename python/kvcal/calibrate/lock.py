@@ -356,7 +356,7 @@ def _locked_message(path: str, out: Optional[str], directory: str, holder: Optio
 def _command_line() -> str:
     argv = list(sys.argv) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else []
     if argv:
-        if argv[0].endswith(os.path.join("kvcal", "calibrate.py")):
+        if argv[0].endswith(os.path.join("kvcal", "calibrate", "__main__.py")):
             argv[:1] = ["python", "-m", "kvcal.calibrate"]  # how it was started
         return shlex.join(argv)
     try:
