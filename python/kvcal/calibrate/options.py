@@ -167,7 +167,7 @@ def check_local_statistics(local_statistics: bool,
 
 
 def holdout_windows(samples: int, seq_len: int, holdout_samples: Optional[int]) -> int:
-    """The held-out windows asked for (calibrate_data.default_holdout when
+    """The held-out windows asked for (data.default_holdout when
     --holdout-samples is not given); UsageError when none are left."""
     holdout = (holdout_samples if holdout_samples is not None
                else data.default_holdout(samples, seq_len))
