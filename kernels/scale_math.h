@@ -28,55 +28,20 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/number_format.h"
+#include "kernels/observers/observer.h"
 #include "kernels/statistics.h"
 
 namespace kvcal {
 
-// Numbers match the wire enums (kvcal.v1).
-enum class Observer : uint32_t {
-  kStaticMinMax = 1,
-  kMinMaxEma = 2,
-  kMemorylessMinMax = 3,
-  kMse = 4,
-  kPercentile = 5,
-};
 enum class Granularity : uint32_t { kPerTensor = 1, kPerHead = 2 };
-enum class Format : uint32_t {
-  kFp8E4m3fn = 1,
-  kFp8E4m3fnuz = 2,
-  kFp8E5m2 = 3,
-  kInt8 = 4,
-};
-// The spellings of these values (names users type and files record) live
-// in one table: proto/kvcal/v1/calibration.proto, read through proto/names.h.
 
-// Largest magnitude of the format: 448, 240, 57344, 127.
-float FormatMax(Format format);
-// Smallest normal magnitude: 2^-6, 2^-7, 2^-14; 0 for int8 (no subnormals).
-float FormatMinNormal(Format format);
-
-// Rounds q (already within [-FormatMax, FormatMax]) to the nearest value of
-// the format, ties to even.
-float RoundToFormat(float q, Format format);
-
-// Fake quantization: clamp(x / scale) rounded to the format, times scale,
-// all in float32 as torch does it.
-float FakeQuantize(float x, float scale, Format format);
-
-// scale = range * margin / FormatMax, FLT_EPSILON when that is 0.
-float ScaleFromRange(float range, float margin, Format format);
-
-struct ScaleOptions {
+// The observer's parameters (format, averaging_constant, percentile, mse_*)
+// come from ObserverParameters (kernels/observers/observer.h).
+struct ScaleOptions : ObserverParameters {
   Observer observer = Observer::kStaticMinMax;
   Granularity granularity = Granularity::kPerTensor;
-  Format format = Format::kFp8E4m3fn;
-  float averaging_constant = 0.01f;
-  double percentile = 99.99;
   float margin = 1.0f;
-  uint32_t mse_grid = 100;
-  float mse_max_shrink = 0.20f;
-  float mse_norm = 2.4f;
-  uint32_t mse_patience = 5;
   bool q_per_kv_group = false;
   bool allow_missing = false;
   // Only these layers (empty = all): a sharding client asks each worker for
@@ -112,7 +77,8 @@ struct ScaleResult {
 
 // The whole Finalize computation. FailedPrecondition when (layer, role, head)
 // triples have no finite value (unless allow_missing), when nothing at all
-// was seen, or when MSE/percentile is asked of statistics without histograms.
+// was seen, or when an observer that needs histograms (mse, percentile) is
+// asked of statistics without them.
 absl::StatusOr<ScaleResult> ComputeScales(const SessionStatistics& stats,
                                           const ScaleOptions& options);
 
@@ -131,19 +97,6 @@ struct QuantizationEstimate {
 QuantizationEstimate EstimateQuantization(
     std::span<const HeadStatistics* const> heads, float scale, Format format,
     uint32_t log2_bins_per_octave);
-
-// Building blocks, exposed for tests.
-//
-// The range (max(|min|, |max|) after clamping min <= 0 <= max) of a set of
-// heads under the min-max observers (static, EMA, memoryless).
-float MinMaxRange(std::span<const HeadStatistics* const> heads,
-                  Observer observer, float averaging_constant);
-// The p-th percentile of |x| over a set of heads (nearest rank).
-float PercentileRange(std::span<const HeadStatistics* const> heads,
-                      double percentile, uint32_t log2_bins_per_octave);
-// The MSE-optimal shrunk range over a set of heads.
-float MseRange(std::span<const HeadStatistics* const> heads,
-               const ScaleOptions& options, uint32_t log2_bins_per_octave);
 
 }  // namespace kvcal
 

@@ -1,6 +1,7 @@
 // The engine's enums (kernels/types.h, kernels/scale_math.h) carry the
 // wire's numbers (kvcal.v1's Role, DType, Layout, Observer, Granularity,
-// Format): checked here once, at compile time, and converted only through
+// Format): checked here once, at compile time (Observer by a test, below),
+// and converted only through
 // ToWire / FromWire, by the service (proto_convert) and the client alike.
 //
 //   request.set_role(kvcal::ToWire(chunk.role));
@@ -32,14 +33,9 @@ static_assert(Same(Layout::kTokensHeadsDim, v1::LAYOUT_TOKENS_HEADS_DIM) &&
 static_assert(Same(Granularity::kPerTensor, v1::GRANULARITY_PER_TENSOR) &&
               Same(Granularity::kPerHead, v1::GRANULARITY_PER_HEAD) &&
               v1::Granularity_MAX == v1::GRANULARITY_PER_HEAD);
-static_assert(
-    Same(Observer::kStaticMinMax, v1::OBSERVER_STATIC_MINMAX) &&
-    Same(Observer::kMinMaxEma, v1::OBSERVER_MINMAX_EMA) &&
-    Same(Observer::kMemorylessMinMax, v1::OBSERVER_MEMORYLESS_MINMAX) &&
-    Same(Observer::kMse, v1::OBSERVER_MSE) &&
-    Same(Observer::kPercentile, v1::OBSERVER_PERCENTILE) &&
-    // AUTO is the service's (finalize_evaluation.h), not the engine's.
-    v1::Observer_MAX == v1::OBSERVER_AUTO);
+// Observer: the engine's definitions (kernels/observers/) against the proto's
+// table, by number, name and needs_histograms, in
+// tests/service/observer_table_test.cc.
 static_assert(Same(Format::kFp8E4m3fn, v1::FORMAT_FP8_E4M3FN) &&
               Same(Format::kFp8E4m3fnuz, v1::FORMAT_FP8_E4M3FNUZ) &&
               Same(Format::kFp8E5m2, v1::FORMAT_FP8_E5M2) &&

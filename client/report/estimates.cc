@@ -6,8 +6,34 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/report/common.h"
+#include "proto/names.h"
 
 namespace kvcal::report {
+
+const std::vector<ObserverChoice>& ReportObservers() {
+  static const std::vector<ObserverChoice>* const choices = [] {
+    static constexpr const char* kColors[] = {
+        "#d62728", "#ff7f0e", "#8c564b", "#1f77b4", "#2ca02c",
+        "#9467bd", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
+    auto* out = new std::vector<ObserverChoice>();
+    auto add = [&](const ObserverRow& row, double percentile,
+                   std::string label) {
+      const size_t n = out->size() % std::size(kColors);
+      out->push_back({static_cast<Observer>(row.value), percentile,
+                      std::move(label), row.cli, kColors[n]});
+    };
+    for (const ObserverRow& row : ObserverTable()) {
+      if (row.value == v1::OBSERVER_PERCENTILE) {
+        add(row, 99.99, row.name + " 99.99");
+        add(row, 99.9, row.name + " 99.9");
+      } else {
+        add(row, 0, row.name);
+      }
+    }
+    return out;
+  }();
+  return *choices;
+}
 
 std::vector<Estimate> EstimateObservers(const SessionStatistics& stats,
                                         Format format,
@@ -15,7 +41,7 @@ std::vector<Estimate> EstimateObservers(const SessionStatistics& stats,
   std::vector<Estimate> out;
   const Geometry& g = stats.geometry();
   const uint32_t log2_bins = g.has_histograms() ? g.log2_bins_per_octave() : 0;
-  for (const ObserverChoice& o : kObservers) {
+  for (const ObserverChoice& o : ReportObservers()) {
     for (const Variant& v : kVariants) {
       ScaleOptions options;
       options.observer = o.observer;

@@ -16,19 +16,14 @@ namespace kvcal::report {
 struct ObserverChoice {
   Observer observer;
   double percentile;  // 0 = the default
-  const char* label;  // llm-compressor's name, plus the percentile
-  const char* cli;    // `kvcal finalize --observer`
+  std::string label;  // the canonical name, plus the percentile
+  std::string cli;    // `kvcal finalize --observer`
   const char* color;
 };
-inline constexpr ObserverChoice kObservers[] = {
-    {Observer::kStaticMinMax, 0, "static_minmax", "static-minmax", "#d62728"},
-    {Observer::kMinMaxEma, 0, "minmax (EMA)", "minmax-ema", "#ff7f0e"},
-    {Observer::kMemorylessMinMax, 0, "memoryless_minmax", "memoryless-minmax",
-     "#8c564b"},
-    {Observer::kMse, 0, "mse", "mse", "#1f77b4"},
-    {Observer::kPercentile, 99.99, "percentile 99.99", "percentile", "#2ca02c"},
-    {Observer::kPercentile, 99.9, "percentile 99.9", "percentile", "#9467bd"},
-};
+// The observers the report compares: every row of the proto's observer table
+// (proto/names.h ObserverTable(), simplest first) at its defaults, and
+// percentile also at 99.9, the setting that clips by design.
+const std::vector<ObserverChoice>& ReportObservers();
 
 struct Variant {
   Granularity granularity;
@@ -56,7 +51,7 @@ struct Estimate {
   double kv_error = 0.0;  // mean of K's and V's mean errors
 };
 
-// Every (observer, variant) of kObservers x kVariants that ComputeScales
+// Every (observer, variant) of ReportObservers() x kVariants that ComputeScales
 // accepts for `stats`; the others are named in `skipped` with the reason.
 // Error figures only where the session has histograms.
 std::vector<Estimate> EstimateObservers(const SessionStatistics& stats,

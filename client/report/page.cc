@@ -184,7 +184,7 @@ void HistogramsSection(const ReportInputs& in,
       "log count up. Lines: each observer's per-tensor clip point "
       "(scale &#215; format max); dashed: the calibration maximum.</p>"
       "<p class=\"legend\">";
-  for (const ObserverChoice& o : kObservers) {
+  for (const ObserverChoice& o : ReportObservers()) {
     absl::StrAppendFormat(&body, "<span style=\"color:%s\">&#9608; %s</span> ",
                           o.color, o.label);
   }

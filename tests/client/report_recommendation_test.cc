@@ -148,8 +148,8 @@ Estimate Est(const ObserverChoice* o, const Variant* v, double kv_error) {
 }
 
 TEST(RecommendFromEstimatesTest, PerTensorWithinTwoPercentOfPerHeadWins) {
-  const ObserverChoice* minmax = &kObservers[0];
-  const ObserverChoice* mse = &kObservers[3];
+  const ObserverChoice* minmax = &ReportObservers()[0];
+  const ObserverChoice* mse = &ReportObservers()[3];
   ASSERT_EQ(mse->observer, Observer::kMse);
   const Variant* tensor = &kVariants[0];
   const Variant* head = &kVariants[1];

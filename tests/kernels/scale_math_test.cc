@@ -30,6 +30,28 @@ using ::testing::IsEmpty;
 using ::testing::Not;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Each observer's range function, through the registry (observers/).
+float RangeOf(Observer observer, HeadSpan heads,
+              const ObserverParameters& parameters, uint32_t log2_bins) {
+  const ObserverDefinition* d = FindObserver(observer);
+  EXPECT_NE(d, nullptr);
+  return d == nullptr ? 0.0f : d->range(heads, parameters, log2_bins);
+}
+float MinMaxRange(HeadSpan heads, Observer observer, float c) {
+  ObserverParameters p;
+  p.averaging_constant = c;
+  return RangeOf(observer, heads, p, 0);
+}
+float PercentileRange(HeadSpan heads, double percentile, uint32_t log2_bins) {
+  ObserverParameters p;
+  p.percentile = percentile;
+  return RangeOf(Observer::kPercentile, heads, p, log2_bins);
+}
+float MseRange(HeadSpan heads, const ScaleOptions& options,
+               uint32_t log2_bins) {
+  return RangeOf(Observer::kMse, heads, options, log2_bins);
+}
 constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 
 Geometry MakeGeometry(uint32_t layers, uint32_t q_heads, uint32_t kv_heads,
@@ -648,7 +670,7 @@ TEST(MseObserverTest, NeedsHistograms) {
   for (Observer observer : {Observer::kMse, Observer::kPercentile}) {
     EXPECT_THAT(ComputeScales(stats, Options(observer, Granularity::kPerHead)),
                 StatusIs(absl::StatusCode::kFailedPrecondition,
-                         HasSubstr("observers need histograms")));
+                         HasSubstr("observer needs histograms")));
   }
 }
 
