@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 import grpc
 import numpy as np
 
-from kvcal import _args, names
+from kvcal import _ranges, names
 from kvcal.scales import Scales
 from kvcal.sharding import expand_endpoints, layer_owner, layer_owners
 from kvcal.v1 import pb, pb_grpc
@@ -232,9 +232,9 @@ class Client:
                  session_id: Optional[str] = None,
                  max_message_bytes: int = 64 << 20,
                  timeout: Optional[float] = 60.0):
-        max_message_bytes = _args.check_int("Client", "max_message_bytes", max_message_bytes,
-                                            _args.IntRange(1 << 16, (1 << 31) - 1))
-        timeout = _args.check_timeout("Client", "timeout", timeout)
+        max_message_bytes = _ranges.check_int("Client", "max_message_bytes", max_message_bytes,
+                                            _ranges.IntRange(1 << 16, (1 << 31) - 1))
+        timeout = _ranges.check_timeout("Client", "timeout", timeout)
         self.token = token
         self.timeout = timeout
         self.session_id = session_id
@@ -452,9 +452,9 @@ class Client:
         (INVALID_ARGUMENT naming layer, role, head and counts; nothing of it is
         applied, so a Producer stops with a ProducerError) instead of counting
         such values and leaving them out of the statistics (the default)."""
-        histograms = _args.check_histograms(histograms)
-        holdout_budget_bytes = _args.check_int("create_session", "holdout_budget_bytes",
-                                               holdout_budget_bytes, _args.UINT64)
+        histograms = _ranges.check_histograms(histograms)
+        holdout_budget_bytes = _ranges.check_int("create_session", "holdout_budget_bytes",
+                                               holdout_budget_bytes, _ranges.UINT64)
         if geometry is None:
             if config is None:
                 raise ValueError("kvcal: create_session needs a config or a geometry")
@@ -683,17 +683,17 @@ class Client:
                           auto_granularities: Iterable[str] = ()):
         # The CLI's ranges (kernels/scale_math.cc ScaleOptions::Validate);
         # 0 asks the worker for its default.
-        averaging_constant = _args.check_real("finalize", "averaging_constant",
-                                              averaging_constant, _args.AVERAGING_CONSTANT)
-        percentile = _args.check_real("finalize", "percentile", percentile, _args.PERCENTILE)
-        margin = _args.check_real("finalize", "margin", margin, _args.MARGIN)
-        mse_grid = _args.check_int("finalize", "mse_grid", mse_grid, _args.MSE_GRID)
-        mse_max_shrink = _args.check_real("finalize", "mse_max_shrink", mse_max_shrink,
-                                          _args.MSE_MAX_SHRINK)
-        mse_norm = _args.check_real("finalize", "mse_norm", mse_norm, _args.MSE_NORM)
-        mse_patience = _args.check_int("finalize", "mse_patience", mse_patience,
-                                       _args.MSE_PATIENCE)
-        layers = [_args.check_int("finalize", "layers[]", l, _args.IntRange(0, (1 << 32) - 1))
+        averaging_constant = _ranges.check_real("finalize", "averaging_constant",
+                                              averaging_constant, _ranges.AVERAGING_CONSTANT)
+        percentile = _ranges.check_real("finalize", "percentile", percentile, _ranges.PERCENTILE)
+        margin = _ranges.check_real("finalize", "margin", margin, _ranges.MARGIN)
+        mse_grid = _ranges.check_int("finalize", "mse_grid", mse_grid, _ranges.MSE_GRID)
+        mse_max_shrink = _ranges.check_real("finalize", "mse_max_shrink", mse_max_shrink,
+                                          _ranges.MSE_MAX_SHRINK)
+        mse_norm = _ranges.check_real("finalize", "mse_norm", mse_norm, _ranges.MSE_NORM)
+        mse_patience = _ranges.check_int("finalize", "mse_patience", mse_patience,
+                                       _ranges.MSE_PATIENCE)
+        layers = [_ranges.check_int("finalize", "layers[]", l, _ranges.IntRange(0, (1 << 32) - 1))
                   for l in layers]
         observer = names.resolve_observer(observer)
         granularity = names.resolve_granularity(granularity)

@@ -13,7 +13,7 @@ import os
 import socket
 from typing import List, Sequence
 
-from kvcal._args import check_endpoint, parse_host_port
+from kvcal._ranges import check_endpoint, parse_host_port
 
 log = logging.getLogger("kvcal")
 

@@ -1,5 +1,5 @@
 """The Python client refuses impossible arguments before it sends anything,
-with the CLI's ranges and words (kvcal/_args.py; util/cli.h,
+with the CLI's ranges and words (kvcal/_ranges.py; util/cli.h,
 util/host_port.h): a ValueError (TypeError for a wrong type) naming the
 argument and what is valid. Most calls below go to an address where no
 worker listens: they would fail differently if the check let them through.
@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 import kvcal
-from kvcal import _args, sharding
+from kvcal import _ranges, sharding
 
 NOWHERE = "127.0.0.1:1"  # nothing listens on port 1
 GEOMETRY = dict(num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -26,7 +26,7 @@ GEOMETRY = dict(num_layers=2, num_attention_heads=4, num_key_value_heads=2, head
     ("localhost:65535", ("localhost", 65535, False)),
 ])
 def test_host_port_accepted(text, want):
-    assert _args.parse_host_port(text) == want
+    assert _ranges.parse_host_port(text) == want
 
 
 @pytest.mark.parametrize("text, message", [
@@ -45,13 +45,13 @@ def test_host_port_accepted(text, want):
 ])
 def test_host_port_refused(text, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
-        _args.parse_host_port(text)
+        _ranges.parse_host_port(text)
 
 
 def test_listen_rules_allow_port_zero_and_require_a_port():
-    assert _args.parse_host_port("0.0.0.0:0", default_port=None, min_port=0) == ("0.0.0.0", 0, False)
+    assert _ranges.parse_host_port("0.0.0.0:0", default_port=None, min_port=0) == ("0.0.0.0", 0, False)
     with pytest.raises(ValueError, match="has no port"):
-        _args.parse_host_port("0.0.0.0", default_port=None, min_port=0)
+        _ranges.parse_host_port("0.0.0.0", default_port=None, min_port=0)
 
 
 def test_endpoints_get_the_default_port_and_say_so(caplog):

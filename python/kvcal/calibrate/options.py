@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from kvcal import _args
+from kvcal import _ranges
 from kvcal.calibrate import choice, data, format_advice
 from kvcal.calibrate.backends import ASSUME_BACKENDS
 from kvcal.calibrate.errors import CalibrateError, UsageError
@@ -19,7 +19,7 @@ GRANULARITIES = ("auto", "tensor", "head")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PACKINGS = ("pack", "truncate")
 # --flush-batches: as kvcal.Producer's flush_batches.
-FLUSH_BATCHES = _args.IntRange(1, None)
+FLUSH_BATCHES = _ranges.IntRange(1, None)
 
 
 @dataclass
@@ -161,7 +161,7 @@ def check_local_statistics(local_statistics: bool,
                          f"says how many batches of statistics are accumulated before they are "
                          f"sent); add --local-statistics or drop --flush-batches")
     try:
-        return _args.check_int("", "--flush-batches", flush_batches, FLUSH_BATCHES)
+        return _ranges.check_int("", "--flush-batches", flush_batches, FLUSH_BATCHES)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e).replace("kvcal: ", "", 1)) from None
 

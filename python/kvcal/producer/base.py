@@ -3,7 +3,7 @@ batch bookkeeping of _ProducerBase (kvcal.producer's WorkerProducer and
 ShardedProducer)."""
 from __future__ import annotations
 
-from kvcal import _args
+from kvcal import _ranges
 
 # The protocol the C++ Uploader follows too (docs/producers.md): chunks in
 # flight without an acknowledgement.
@@ -28,19 +28,19 @@ def _check_options(chunk_bytes=4 << 20, max_pending_chunks=1024, max_pending_byt
         raise ValueError(f"kvcal: Producer local_backend={local_backend!r}: want 'cpu', 'cuda' "
                          f"or 'auto'")
     if local_device is not None:
-        _args.check_int("Producer", "local_device", local_device, _args.IntRange(0, 1 << 16))
+        _ranges.check_int("Producer", "local_device", local_device, _ranges.IntRange(0, 1 << 16))
     if flush_batches is not None:
-        _args.check_int("Producer", "flush_batches", flush_batches, _args.IntRange(1, None))
-    _args.check_timeout("Producer", "flush_seconds", flush_seconds)
-    _args.check_int("Producer", "chunk_bytes", chunk_bytes, _args.CHUNK_BYTES)
-    _args.check_int("Producer", "window", window, _args.WINDOW)
-    _args.check_int("Producer", "max_pending_chunks", max_pending_chunks, _args.IntRange(1, None))
-    _args.check_int("Producer", "max_pending_bytes", max_pending_bytes, _args.IntRange(1, None))
+        _ranges.check_int("Producer", "flush_batches", flush_batches, _ranges.IntRange(1, None))
+    _ranges.check_timeout("Producer", "flush_seconds", flush_seconds)
+    _ranges.check_int("Producer", "chunk_bytes", chunk_bytes, _ranges.CHUNK_BYTES)
+    _ranges.check_int("Producer", "window", window, _ranges.WINDOW)
+    _ranges.check_int("Producer", "max_pending_chunks", max_pending_chunks, _ranges.IntRange(1, None))
+    _ranges.check_int("Producer", "max_pending_bytes", max_pending_bytes, _ranges.IntRange(1, None))
     if start_sequence is not None:
-        _args.check_int("Producer", "start_sequence", start_sequence,
-                        _args.IntRange(1, (1 << 64) - 1))
-    _args.check_timeout("Producer", "reconnect_timeout", reconnect_timeout, allow_none=False)
-    _args.check_timeout("Producer", "durable_timeout", durable_timeout, allow_none=False)
+        _ranges.check_int("Producer", "start_sequence", start_sequence,
+                        _ranges.IntRange(1, (1 << 64) - 1))
+    _ranges.check_timeout("Producer", "reconnect_timeout", reconnect_timeout, allow_none=False)
+    _ranges.check_timeout("Producer", "durable_timeout", durable_timeout, allow_none=False)
 
 
 class ProducerError(RuntimeError):

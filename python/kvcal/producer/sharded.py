@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import List, Optional, Tuple, Union
 
-from kvcal import _args
+from kvcal import _ranges
 from kvcal.client import Client
 from kvcal.producer.base import ProducerError, _check_options, _ProducerBase
 from kvcal.producer.streaming import WorkerProducer
@@ -84,7 +84,7 @@ class ShardedProducer(_ProducerBase):
         """WorkerProducer.put on the producer of the worker that holds `layer`."""
         from kvcal.sharding import layer_owner
 
-        layer = _args.check_int("put", "layer", layer, _args.IntRange(0, (1 << 32) - 1))
+        layer = _ranges.check_int("put", "layer", layer, _ranges.IntRange(0, (1 << 32) - 1))
         producer = self.producers[layer_owner(self.session_id, int(layer), self.client.worker_ids)]
         if batch is None:
             self._batches_started = True

@@ -49,7 +49,7 @@ from typing import Any, Iterable, Optional, Tuple, Union
 
 import numpy as np
 
-from kvcal import _args, names
+from kvcal import _ranges, names
 from kvcal.client import DEFAULT_HISTOGRAMS, Client, Geometry
 from kvcal.producer.encoding import wire_dtype
 from kvcal.v1 import pb
@@ -217,11 +217,11 @@ class LocalStatistics:
         if not isinstance(geometry, Geometry):
             raise TypeError(f"kvcal: geometry must be a kvcal.Geometry or a dict, not "
                             f"{type(geometry).__name__}")
-        histograms = _args.check_histograms(histograms)
-        self.holdout_budget_bytes = _args.check_int("LocalStatistics", "holdout_budget_bytes",
-                                                    holdout_budget_bytes, _args.UINT64)
-        device = _args.check_int("LocalStatistics", "device", device, _args.IntRange(0, 1 << 16))
-        threads = _args.check_int("LocalStatistics", "threads", threads, _args.IntRange(0, 4096))
+        histograms = _ranges.check_histograms(histograms)
+        self.holdout_budget_bytes = _ranges.check_int("LocalStatistics", "holdout_budget_bytes",
+                                                    holdout_budget_bytes, _ranges.UINT64)
+        device = _ranges.check_int("LocalStatistics", "device", device, _ranges.IntRange(0, 1 << 16))
+        threads = _ranges.check_int("LocalStatistics", "threads", threads, _ranges.IntRange(0, 4096))
         role_mask = 0
         for r in roles:
             role_mask |= _ROLE_BITS[_role_number(r)]
@@ -278,10 +278,10 @@ class LocalStatistics:
         """
         role_number = _role_number(role)
         layout_number = _layout_number(layout)
-        layer = _args.check_int("accumulate", "layer", layer, _args.IntRange(0, (1 << 32) - 1))
-        head_offset = _args.check_int("accumulate", "head_offset", head_offset,
-                                      _args.IntRange(0, (1 << 32) - 1))
-        batch = _args.check_int("accumulate", "batch", batch, _args.UINT64)
+        layer = _ranges.check_int("accumulate", "layer", layer, _ranges.IntRange(0, (1 << 32) - 1))
+        head_offset = _ranges.check_int("accumulate", "head_offset", head_offset,
+                                      _ranges.IntRange(0, (1 << 32) - 1))
+        batch = _ranges.check_int("accumulate", "batch", batch, _ranges.UINT64)
         if isinstance(tensor, np.ndarray):
             self._accumulate_numpy(layer, role_number, tensor, batch, layout_number, head_offset)
             return

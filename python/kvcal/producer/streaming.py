@@ -13,7 +13,7 @@ import grpc
 
 from kvcal.client import Client, KvcalError
 from kvcal.producer.base import DEFAULT_WINDOW, ProducerError, _check_options, _ProducerBase
-from kvcal import _args
+from kvcal import _ranges
 from kvcal.producer.encoding import _LAYOUTS, _ROLES, _Chunk, _cut, _payload_of
 from kvcal.producer.local import DEFAULT_FLUSH_BATCHES, LocalFlushes
 from kvcal.producer.ring import _SHM_FALLBACK, _SharedMemoryFull, _SharedMemoryRing
@@ -183,13 +183,13 @@ class WorkerProducer(_ProducerBase):
         if layout not in _LAYOUTS:
             raise ValueError(f"kvcal: layout {layout!r} is not heads_tokens_dim or tokens_heads_dim")
         layout = _LAYOUTS[layout]
-        layer = _args.check_int("put", "layer", layer, _args.IntRange(0, (1 << 32) - 1))
-        head_offset = _args.check_int("put", "head_offset", head_offset,
-                                      _args.IntRange(0, (1 << 32) - 1))
+        layer = _ranges.check_int("put", "layer", layer, _ranges.IntRange(0, (1 << 32) - 1))
+        head_offset = _ranges.check_int("put", "head_offset", head_offset,
+                                      _ranges.IntRange(0, (1 << 32) - 1))
         if batch is None:
             self._batches_started = True
             batch = self._batch
-        batch = _args.check_int("put", "batch", batch, _args.IntRange(0, (1 << 64) - 1))
+        batch = _ranges.check_int("put", "batch", batch, _ranges.IntRange(0, (1 << 64) - 1))
         if self._local is not None and not holdout:
             self._put_local(layer, layout, role, tensor, batch, head_offset)
             return
