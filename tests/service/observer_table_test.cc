@@ -51,13 +51,11 @@ TEST(ObserverTableTest, EveryEngineObserverIsOnTheWire) {
 }
 
 TEST(ObserverTableTest, EveryObserverFinalizesFromTheWire) {
-  Geometry g;
-  g.num_layers = 1;
-  g.num_attention_heads = 2;
-  g.num_key_value_heads = 1;
-  g.head_dim = 1;
-  g.bins_per_octave = 16;
-  g.role_mask = 0b111;
+  const Geometry g{.num_layers = 1,
+                   .num_attention_heads = 2,
+                   .num_key_value_heads = 1,
+                   .head_dim = 1,
+                   .bins_per_octave = 16};
   SessionStatistics stats(g);
   const uint32_t log2 = g.log2_bins_per_octave();
   for (Role role : g.roles()) {
