@@ -7,6 +7,22 @@
 
 namespace kvcal {
 
+namespace {
+
+// The grid of an FP8 format: mantissa bits and smallest normal exponent.
+struct FloatGrid {
+  int mantissa_bits;
+  int min_exponent;
+};
+
+FloatGrid FloatGridOf(Format format) {
+  if (format == Format::kFp8E4m3fnuz) return {3, -7};
+  if (format == Format::kFp8E5m2) return {2, -14};
+  return {3, -6};  // e4m3fn
+}
+
+}  // namespace
+
 float FormatMax(Format format) {
   switch (format) {
     case Format::kFp8E4m3fn:
@@ -37,19 +53,13 @@ float FormatMinNormal(Format format) {
 
 float RoundToFormat(float q, Format format) {
   if (format == Format::kInt8) return std::nearbyint(q);
-  int mantissa_bits = 3;
-  int min_exponent = -6;  // smallest normal exponent
-  if (format == Format::kFp8E4m3fnuz) min_exponent = -7;
-  if (format == Format::kFp8E5m2) {
-    mantissa_bits = 2;
-    min_exponent = -14;
-  }
+  const FloatGrid grid = FloatGridOf(format);
   const float a = std::fabs(q);
   if (a == 0.0f || !std::isfinite(a)) return q;
   int e;
   std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
-  const int exponent = std::max(e - 1, min_exponent);
-  const float ulp = std::ldexp(1.0f, exponent - mantissa_bits);
+  const int exponent = std::max(e - 1, grid.min_exponent);
+  const float ulp = std::ldexp(1.0f, exponent - grid.mantissa_bits);
   const float r = std::nearbyint(a / ulp) * ulp;  // a / ulp is exact
   return std::copysign(r, q);
 }
@@ -70,16 +80,11 @@ float ScaleFromRange(float range, float margin, Format format) {
 
 double GridStep(double q, Format format) {
   if (format == Format::kInt8) return 1.0;
-  int mantissa_bits = 3;
-  int min_exponent = -6;
-  if (format == Format::kFp8E4m3fnuz) min_exponent = -7;
-  if (format == Format::kFp8E5m2) {
-    mantissa_bits = 2;
-    min_exponent = -14;
-  }
+  const FloatGrid grid = FloatGridOf(format);
   int e;
   std::frexp(q, &e);  // q = m * 2^e, m in [0.5, 1)
-  return std::ldexp(1.0, std::max(e - 1, min_exponent) - mantissa_bits);
+  return std::ldexp(1.0,
+                    std::max(e - 1, grid.min_exponent) - grid.mantissa_bits);
 }
 
 }  // namespace kvcal

@@ -1,9 +1,7 @@
 #include "kernels/scale_math.h"
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
-#include <functional>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
